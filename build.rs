@@ -1,0 +1,4 @@
+fn main() -> anyhow::Result<()> {
+    println!("cargo:rerun-if-changed=build.rs");
+    Ok(())
+}

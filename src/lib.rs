@@ -1,0 +1,60 @@
+//! Paged attention for [candle](https://github.com/huggingface/candle).
+//!
+//! One [`paged_attention`] call serves a mixed batch of prefills, chunked
+//! prefills (cached context plus new tokens) and decodes over a paged KV cache
+//! `(num_blocks, block_size, num_kv_heads, head_size)`, with causal masking,
+//! GQA/MQA, sliding windows, softcapping, ALiBi, attention sinks, a
+//! query-query bias, bidirectional prefix ranges and fp8 (`F8E4M3`) caches.
+//! [`reshape_and_cache`] writes new keys and values into their slots.
+//!
+//! The CPU path is the reference implementation; the `cuda` feature adds
+//! compiled CUDA kernels for the same ops.
+//!
+//! # Example
+//! Two sequences: a prefill of 3 tokens and a decode of 1 token after 4 cached
+//! ones, with 2 query heads sharing 1 KV head of size 8 and blocks of 4 tokens.
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_paged_attention::{
+//!     paged_attention, reshape_and_cache, KvScales, PagedAttentionParams, PagedBatch, SlotMapping,
+//! };
+//!
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::Cpu;
+//! let (num_blocks, block_size, kv_heads, heads, head_size) = (8, 4, 1, 2, 8);
+//! let key_cache = Tensor::zeros((num_blocks, block_size, kv_heads, head_size), DType::F32, &dev)?;
+//! let value_cache = key_cache.zeros_like()?;
+//!
+//! // Sequence 0 owns block 3; sequence 1 owns blocks 5 and 1 (5 tokens).
+//! // Store sequence 1's 4 cached tokens, then the batch's 4 new tokens.
+//! let cached = SlotMapping::new(&[20, 21, 22, 23], &dev)?;
+//! let k_old = Tensor::randn(0f32, 1., (4, kv_heads, head_size), &dev)?;
+//! reshape_and_cache(&k_old, &k_old, &key_cache, &value_cache, &cached, KvScales::default())?;
+//!
+//! let slots = SlotMapping::new(&[12, 13, 14, 4], &dev)?;
+//! let k_new = Tensor::randn(0f32, 1., (4, kv_heads, head_size), &dev)?;
+//! let v_new = Tensor::randn(0f32, 1., (4, kv_heads, head_size), &dev)?;
+//! reshape_and_cache(&k_new, &v_new, &key_cache, &value_cache, &slots, KvScales::default())?;
+//!
+//! // cu_seqlens_q: rows 0..3 are sequence 0, row 3 is sequence 1.
+//! let batch = PagedBatch::from_rows(&[0, 3, 4], &[3, 5], &[vec![3], vec![5, 1]], block_size, &dev)?;
+//! let q = Tensor::randn(0f32, 1., (4, heads, head_size), &dev)?;
+//! let params = PagedAttentionParams::new(&key_cache, &value_cache, &batch, 1.0 / (head_size as f32).sqrt());
+//! let out = paged_attention(&q, &params)?;
+//! assert_eq!(out.dims(), &[4, heads, head_size]);
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod batch;
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod ops;
+
+pub use batch::{BatchHost, PagedBatch, PrefixRanges, SlotMapping};
+pub use ops::paged_attention::{
+    paged_attention, AttentionDims, KvSplit, PagedAttention, PagedAttentionParams, MAX_HEAD_SIZE,
+};
+pub use ops::reshape_and_cache::{reshape_and_cache, ReshapeAndCache};
+pub use ops::KvScales;

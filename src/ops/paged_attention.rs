@@ -1,0 +1,371 @@
+//! `PagedAttention`: unified attention over a paged KV cache for a mixed
+//! batch of prefills, chunked prefills and decodes, in one call.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+
+use crate::batch::PagedBatch;
+use crate::ops::KvScales;
+
+/// Largest head size the kernels accept.
+pub const MAX_HEAD_SIZE: usize = 512;
+
+/// How the CUDA path splits the keys of a decode batch across programs.
+/// The CPU path computes the same function whatever the choice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvSplit {
+    /// Split-KV (segments + reduction) when the batch is decode-only and too
+    /// small to fill the GPU; the segment count follows the SM count and the
+    /// context lengths.
+    #[default]
+    Auto,
+    /// Always the single-pass (2D) kernel.
+    Never,
+    /// Always the split-KV path with this many segments per sequence (at
+    /// least 1), whatever the batch.
+    Segments(u32),
+}
+
+/// Everything `paged_attention` needs besides the query.
+///
+/// # Tensors
+/// * `key_cache`, `value_cache` - `(num_blocks, block_size, num_kv_heads, head_size)`,
+///   contiguous, the query's dtype or `F8E4M3` (then read as `x * k_scale` / `x * v_scale`).
+/// * `alibi_slopes` - `(num_heads,)` f32: adds `slope[h] * (key - context_len)`.
+/// * `sinks` - `(num_heads,)` f32: one logit per head that joins the softmax
+///   denominator and carries no value.
+/// * `qq_bias` - `(rows, cols)` f32 with `rows >= max q_len`: adds
+///   `qq_bias[q_rel][key - context_len]` for keys among the new tokens
+///   (`0 <= key - context_len < cols`).
+///
+/// # Scalars
+/// * `scale` - multiplies `q . k` (usually `1 / sqrt(head_size)`).
+/// * `sliding_window` - `Some(w)` keeps keys with `query_pos - key_pos < w`.
+/// * `softcap` - `Some(c)` with `c > 0` maps scores to `c * tanh(s / c)`;
+///   `None` or `Some(0.0)` is off.
+/// * `kv_scales` - dequantisation scales of an `F8E4M3` cache.
+/// * `output_scale` - `Some(s)` returns `F8E4M3` holding `clamp(out / s)`.
+/// * `kv_split` - split-KV policy of the CUDA path.
+#[derive(Clone, Debug)]
+pub struct PagedAttentionParams {
+    pub key_cache: Tensor,
+    pub value_cache: Tensor,
+    pub batch: PagedBatch,
+    pub scale: f32,
+    pub sliding_window: Option<usize>,
+    pub softcap: Option<f32>,
+    pub alibi_slopes: Option<Tensor>,
+    pub sinks: Option<Tensor>,
+    pub qq_bias: Option<Tensor>,
+    pub kv_scales: KvScales,
+    pub output_scale: Option<f32>,
+    pub kv_split: KvSplit,
+}
+
+impl PagedAttentionParams {
+    /// Causal attention over `batch` with the given caches and score scale;
+    /// every optional feature off.
+    pub fn new(key_cache: &Tensor, value_cache: &Tensor, batch: &PagedBatch, scale: f32) -> Self {
+        Self {
+            key_cache: key_cache.clone(),
+            value_cache: value_cache.clone(),
+            batch: batch.clone(),
+            scale,
+            sliding_window: None,
+            softcap: None,
+            alibi_slopes: None,
+            sinks: None,
+            qq_bias: None,
+            kv_scales: KvScales::default(),
+            output_scale: None,
+            kv_split: KvSplit::Auto,
+        }
+    }
+
+    /// Keeps keys with `query_pos - key_pos < window`.
+    pub fn with_sliding_window(mut self, window: Option<usize>) -> Self {
+        self.sliding_window = window;
+        self
+    }
+
+    /// Soft-caps scores at `cap` (`None` or 0 is off).
+    pub fn with_softcap(mut self, cap: Option<f32>) -> Self {
+        self.softcap = cap;
+        self
+    }
+
+    /// ALiBi slopes, `(num_heads,)` f32.
+    pub fn with_alibi_slopes(mut self, slopes: Option<Tensor>) -> Self {
+        self.alibi_slopes = slopes;
+        self
+    }
+
+    /// Attention sinks, `(num_heads,)` f32 logits.
+    pub fn with_sinks(mut self, sinks: Option<Tensor>) -> Self {
+        self.sinks = sinks;
+        self
+    }
+
+    /// Query-query bias, `(rows, cols)` f32.
+    pub fn with_qq_bias(mut self, bias: Option<Tensor>) -> Self {
+        self.qq_bias = bias;
+        self
+    }
+
+    /// Dequantisation scales for an `F8E4M3` cache.
+    pub fn with_kv_scales(mut self, scales: KvScales) -> Self {
+        self.kv_scales = scales;
+        self
+    }
+
+    /// Returns `F8E4M3` output holding `clamp(out / scale, -448, 448)`.
+    pub fn with_output_scale(mut self, scale: Option<f32>) -> Self {
+        self.output_scale = scale;
+        self
+    }
+
+    /// Split-KV policy of the CUDA path.
+    pub fn with_kv_split(mut self, split: KvSplit) -> Self {
+        self.kv_split = split;
+        self
+    }
+
+    /// Softcap value when it is on.
+    pub fn active_softcap(&self) -> Option<f32> {
+        self.softcap.filter(|&c| c > 0.0)
+    }
+
+    /// The output dtype for a query of dtype `q_dtype`.
+    pub fn output_dtype(&self, q_dtype: DType) -> DType {
+        if self.output_scale.is_some() {
+            DType::F8E4M3
+        } else {
+            q_dtype
+        }
+    }
+}
+
+/// Sizes of one validated call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionDims {
+    pub num_tokens: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_size: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+impl AttentionDims {
+    /// Query heads per KV head.
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+}
+
+const OP: &str = "paged-attention";
+
+fn check_device(name: &str, t: &Tensor, device: &Device) -> Result<()> {
+    if !t.device().same_device(device) {
+        bail!(
+            "{OP}: {name} is on {:?} but the query is on {:?}",
+            t.device().location(),
+            device.location()
+        );
+    }
+    Ok(())
+}
+
+fn check_head_vector(name: &str, t: &Tensor, num_heads: usize, device: &Device) -> Result<()> {
+    check_device(name, t, device)?;
+    if t.dtype() != DType::F32 {
+        bail!("{OP}: {name} must be f32, got {:?}", t.dtype());
+    }
+    if t.dims() != [num_heads] {
+        bail!(
+            "{OP}: {name} must have shape [num_heads = {num_heads}], got {:?}",
+            t.dims()
+        );
+    }
+    Ok(())
+}
+
+impl PagedAttentionParams {
+    /// Checks the call against the query's dtype, shape and device; O(1) in
+    /// the batch size (the batch was checked when it was built).
+    pub fn validate(&self, q_dtype: DType, q_shape: &Shape, q_device: &Device) -> Result<AttentionDims> {
+        if !matches!(q_dtype, DType::F32 | DType::F16 | DType::BF16) {
+            bail!("{OP}: q must be f32, f16 or bf16, got {q_dtype:?}");
+        }
+        let &[num_tokens, num_heads, head_size] = q_shape.dims() else {
+            bail!(
+                "{OP}: q must have rank 3 [num_tokens, num_heads, head_size], got shape {:?}",
+                q_shape.dims()
+            );
+        };
+        let kc = &self.key_cache;
+        let vc = &self.value_cache;
+        check_device("key_cache", kc, q_device)?;
+        check_device("value_cache", vc, q_device)?;
+        let &[num_blocks, block_size, num_kv_heads, cache_head_size] = kc.dims() else {
+            bail!(
+                "{OP}: key_cache must have rank 4 [num_blocks, block_size, num_kv_heads, head_size], got shape {:?}",
+                kc.dims()
+            );
+        };
+        if vc.dims() != kc.dims() {
+            bail!(
+                "{OP}: value_cache shape {:?} differs from key_cache shape {:?}",
+                vc.dims(),
+                kc.dims()
+            );
+        }
+        if kc.dtype() != vc.dtype() {
+            bail!(
+                "{OP}: key_cache is {:?} but value_cache is {:?}",
+                kc.dtype(),
+                vc.dtype()
+            );
+        }
+        if kc.dtype() != q_dtype && kc.dtype() != DType::F8E4M3 {
+            bail!(
+                "{OP}: key_cache must be {q_dtype:?} (the query dtype) or F8E4M3, got {:?}",
+                kc.dtype()
+            );
+        }
+        if !kc.is_contiguous() || !vc.is_contiguous() {
+            bail!("{OP}: key_cache and value_cache must be contiguous");
+        }
+        if head_size == 0 || head_size > MAX_HEAD_SIZE {
+            bail!("{OP}: head_size must be in 1..={MAX_HEAD_SIZE}, got {head_size}");
+        }
+        if cache_head_size != head_size {
+            bail!("{OP}: q has head_size {head_size} but key_cache has head_size {cache_head_size}");
+        }
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            bail!(
+                "{OP}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            );
+        }
+        let host = self.batch.host();
+        check_device("batch", self.batch.seq_lens(), q_device)?;
+        if host.num_tokens() != num_tokens {
+            bail!(
+                "{OP}: cu_seqlens_q ends at {} but q has {num_tokens} tokens",
+                host.num_tokens()
+            );
+        }
+        if host.block_size != block_size {
+            bail!(
+                "{OP}: the batch was built for block_size {} but the cache has block_size {block_size}",
+                host.block_size
+            );
+        }
+        if let Some(id) = host.max_block_id {
+            if id as usize >= num_blocks {
+                bail!("{OP}: block_tables holds block id {id} >= num_blocks {num_blocks}");
+            }
+        }
+        if !(self.scale.is_finite()) {
+            bail!("{OP}: scale must be finite, got {}", self.scale);
+        }
+        if let Some(w) = self.sliding_window {
+            if w == 0 {
+                bail!("{OP}: sliding_window must be at least 1, got 0 (use None for no window)");
+            }
+        }
+        if let Some(c) = self.softcap {
+            if !(c >= 0.0 && c.is_finite()) {
+                bail!("{OP}: softcap must be finite and >= 0 (0 is off), got {c}");
+            }
+        }
+        if let Some(s) = &self.alibi_slopes {
+            check_head_vector("alibi_slopes", s, num_heads, q_device)?;
+        }
+        if let Some(s) = &self.sinks {
+            check_head_vector("sinks", s, num_heads, q_device)?;
+        }
+        if let Some(b) = &self.qq_bias {
+            check_device("qq_bias", b, q_device)?;
+            if b.dtype() != DType::F32 {
+                bail!("{OP}: qq_bias must be f32, got {:?}", b.dtype());
+            }
+            let &[rows, _cols] = b.dims() else {
+                bail!("{OP}: qq_bias must have rank 2 [rows, cols], got shape {:?}", b.dims());
+            };
+            if rows < host.max_seqlen_q {
+                bail!(
+                    "{OP}: qq_bias has {rows} rows but the longest query span is {}",
+                    host.max_seqlen_q
+                );
+            }
+        }
+        if kc.dtype() == DType::F8E4M3 {
+            self.kv_scales.validate(OP)?;
+        }
+        if let Some(s) = self.output_scale {
+            if !(s > 0.0 && s.is_finite()) {
+                bail!("{OP}: output_scale must be finite and > 0, got {s}");
+            }
+        }
+        if let KvSplit::Segments(0) = self.kv_split {
+            bail!("{OP}: kv_split Segments(0): need at least one segment");
+        }
+        Ok(AttentionDims {
+            num_tokens,
+            num_heads,
+            num_kv_heads,
+            head_size,
+            num_blocks,
+            block_size,
+        })
+    }
+}
+
+/// The op: applied to the flat query `(num_tokens, num_heads, head_size)`,
+/// it returns the attention output of the same shape (dtype of the query, or
+/// `F8E4M3` with an output scale). Use it through [`paged_attention`].
+pub struct PagedAttention<'a> {
+    pub params: &'a PagedAttentionParams,
+}
+
+impl CustomOp1 for PagedAttention<'_> {
+    fn name(&self) -> &'static str {
+        "paged-attention"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let dims = self
+            .params
+            .validate(storage.dtype(), layout.shape(), &Device::Cpu)?;
+        crate::cpu::paged_attention::forward(self.params, &dims, storage, layout)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let device = Device::Cuda(storage.device().clone());
+        let dims = self.params.validate(storage.dtype(), layout.shape(), &device)?;
+        crate::cuda::paged_attention::forward(self.params, &dims, storage, layout)
+    }
+}
+
+/// Paged attention for a mixed batch of prefills, chunked prefills and
+/// decodes, in one call.
+///
+/// # Arguments
+/// * `q` - query, `(num_tokens, num_heads, head_size)`, f32/f16/bf16; rows of
+///   sequence `i` are `cu_seqlens_q[i]..cu_seqlens_q[i + 1]`.
+/// * `params` - caches, batch description and options.
+///
+/// Returns `(num_tokens, num_heads, head_size)` in the query's dtype, or
+/// `F8E4M3` when `params.output_scale` is set. A query row that sees no key
+/// (and no sink mass) is zero.
+pub fn paged_attention(q: &Tensor, params: &PagedAttentionParams) -> Result<Tensor> {
+    params.validate(q.dtype(), q.shape(), q.device())?;
+    let q = q.contiguous()?;
+    q.apply_op1_no_bwd(&PagedAttention { params })
+}
