@@ -46,11 +46,15 @@
 //! # }
 //! ```
 
+pub mod attention;
 pub mod batch;
+pub mod cache;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod metadata;
 pub mod ops;
+pub mod remap;
 
 pub use batch::{BatchHost, PagedBatch, PrefixRanges, SlotMapping};
 pub use ops::paged_attention::{
@@ -58,3 +62,10 @@ pub use ops::paged_attention::{
 };
 pub use ops::reshape_and_cache::{reshape_and_cache, ReshapeAndCache};
 pub use ops::KvScales;
+
+pub use attention::{Attention, AttentionOptions, KvCacheDtype};
+pub use cache::{
+    num_blocks_for_budget, BlockManager, BlockManagerConfig, LayerKvCache, ScheduledBatch,
+    WindowGroupConfig, Work,
+};
+pub use metadata::{AttentionMetadata, LayerBatch, WindowGroup};

@@ -1,0 +1,346 @@
+//! The attention layer: stores a layer's new keys and values in its paged
+//! cache and attends over the batch described by [`AttentionMetadata`].
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+use crate::cache::LayerKvCache;
+use crate::metadata::AttentionMetadata;
+use crate::ops::paged_attention::{paged_attention, KvSplit, PagedAttentionParams, MAX_HEAD_SIZE};
+use crate::ops::reshape_and_cache::reshape_and_cache;
+use crate::ops::KvScales;
+
+const OP: &str = "attention";
+
+/// Element type of a layer's KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum KvCacheDtype {
+    /// The model's dtype (the dtype of `q`, `k` and `v`).
+    #[default]
+    Auto,
+    /// `F8E4M3`, storing `k / k_scale` and `v / v_scale`.
+    Fp8E4M3(KvScales),
+}
+
+/// Per-layer options of [`Attention`]; `Default` is plain causal attention
+/// with blocks of 16 tokens.
+///
+/// * `sliding_window` - `Some(w)` keeps keys with `query_pos - key_pos < w`;
+///   the layer reads the metadata's window group for `w` when there is one.
+/// * `sinks` - `(num_heads,)` logits joining each head's softmax denominator
+///   (any float dtype; kept as f32).
+/// * `softcap` - `Some(c)`, `c > 0`: scores become `c * tanh(s / c)`.
+/// * `alibi_slopes` - `(num_heads,)` ALiBi slopes (any float dtype; kept as f32).
+/// * `attention_chunk_size` - chunked local attention: a query at position
+///   `p` sees keys in `[floor(p / chunk) * chunk, p]`; a multiple of `block_size`.
+/// * `kv_cache_dtype` - the cache's element type (and fp8 scales).
+/// * `block_size` - tokens per cache block.
+/// * `kv_split` - split-KV policy of the CUDA decode path.
+#[derive(Clone, Debug)]
+pub struct AttentionOptions {
+    /// Keep keys with `query_pos - key_pos < window`.
+    pub sliding_window: Option<usize>,
+    /// `(num_heads,)` sink logits.
+    pub sinks: Option<Tensor>,
+    /// Softcap `c > 0` (`None` or 0 is off).
+    pub softcap: Option<f32>,
+    /// `(num_heads,)` ALiBi slopes.
+    pub alibi_slopes: Option<Tensor>,
+    /// Chunk size of chunked local attention, a multiple of `block_size`.
+    pub attention_chunk_size: Option<usize>,
+    /// Cache element type and fp8 scales.
+    pub kv_cache_dtype: KvCacheDtype,
+    /// Tokens per cache block.
+    pub block_size: usize,
+    /// Split-KV policy of the CUDA path.
+    pub kv_split: KvSplit,
+}
+
+impl Default for AttentionOptions {
+    fn default() -> Self {
+        Self {
+            sliding_window: None,
+            sinks: None,
+            softcap: None,
+            alibi_slopes: None,
+            attention_chunk_size: None,
+            kv_cache_dtype: KvCacheDtype::Auto,
+            block_size: 16,
+            kv_split: KvSplit::Auto,
+        }
+    }
+}
+
+/// A vLLM-style attention layer over a paged KV cache.
+///
+/// [`forward`](Self::forward) takes the flat projections of a whole mixed
+/// batch (prefills, prefill chunks and decodes together), stores the new keys
+/// and values, and runs one paged-attention call.
+#[derive(Clone, Debug)]
+pub struct Attention {
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_size: usize,
+    scale: f32,
+    options: AttentionOptions,
+}
+
+impl Attention {
+    /// A layer with `num_heads` query heads sharing `num_kv_heads` KV heads
+    /// of `head_size` elements; scores are `scale * q . k`.
+    pub fn new(
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_size: usize,
+        scale: f32,
+        mut options: AttentionOptions,
+    ) -> Result<Self> {
+        if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
+            bail!("{OP}: num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}");
+        }
+        if head_size == 0 || head_size > MAX_HEAD_SIZE {
+            bail!("{OP}: head_size must be in 1..={MAX_HEAD_SIZE}, got {head_size}");
+        }
+        if !scale.is_finite() {
+            bail!("{OP}: scale must be finite, got {scale}");
+        }
+        let bs = options.block_size;
+        if bs == 0 {
+            bail!("{OP}: block_size must be positive, got 0");
+        }
+        if options.sliding_window == Some(0) {
+            bail!("{OP}: sliding_window must be at least 1, got 0 (use None for no window)");
+        }
+        if let Some(c) = options.attention_chunk_size {
+            if c == 0 || !c.is_multiple_of(bs) {
+                bail!(
+                    "{OP}: attention_chunk_size {c} must be a positive multiple of block_size {bs}"
+                );
+            }
+        }
+        if let Some(c) = options.softcap {
+            if !(c >= 0.0 && c.is_finite()) {
+                bail!("{OP}: softcap must be finite and >= 0 (0 is off), got {c}");
+            }
+        }
+        if let KvCacheDtype::Fp8E4M3(s) = options.kv_cache_dtype {
+            s.validate(OP)?;
+        }
+        options.sinks = head_vector("sinks", options.sinks.take(), num_heads)?;
+        options.alibi_slopes = head_vector("alibi_slopes", options.alibi_slopes.take(), num_heads)?;
+        Ok(Self {
+            num_heads,
+            num_kv_heads,
+            head_size,
+            scale,
+            options,
+        })
+    }
+
+    /// Query heads.
+    pub fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    /// KV heads.
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_kv_heads
+    }
+
+    /// Elements per head.
+    pub fn head_size(&self) -> usize {
+        self.head_size
+    }
+
+    /// The options the layer was built with (sinks and slopes as f32).
+    pub fn options(&self) -> &AttentionOptions {
+        &self.options
+    }
+
+    /// Dequantisation scales of an fp8 cache (ones otherwise).
+    pub fn kv_scales(&self) -> KvScales {
+        match self.options.kv_cache_dtype {
+            KvCacheDtype::Auto => KvScales::default(),
+            KvCacheDtype::Fp8E4M3(s) => s,
+        }
+    }
+
+    /// Allocates this layer's zeroed cache of `num_blocks` blocks for a model
+    /// running in `model_dtype` (the cache is `F8E4M3` for an fp8 layer).
+    pub fn new_cache(
+        &self,
+        num_blocks: usize,
+        model_dtype: DType,
+        device: &Device,
+    ) -> Result<LayerKvCache> {
+        LayerKvCache::new(
+            num_blocks,
+            self.options.block_size,
+            self.num_kv_heads,
+            self.head_size,
+            self.cache_dtype(model_dtype),
+            device,
+        )
+    }
+
+    fn cache_dtype(&self, model_dtype: DType) -> DType {
+        match self.options.kv_cache_dtype {
+            KvCacheDtype::Auto => model_dtype,
+            KvCacheDtype::Fp8E4M3(_) => DType::F8E4M3,
+        }
+    }
+
+    /// Stores the batch's new keys and values in `cache` and attends.
+    ///
+    /// # Arguments
+    /// * `q` - `(num_tokens, num_heads * head_size)`, f32/f16/bf16.
+    /// * `k`, `v` - `(num_tokens, num_kv_heads * head_size)`, the dtype of `q`.
+    /// * `cache` - this layer's cache (in the block-id space of the layer's
+    ///   window group, when the metadata has one for its window).
+    /// * `metadata` - the batch; rows of `q`, `k`, `v` follow its `cu_seqlens_q`.
+    ///
+    /// Returns `(num_tokens, num_heads * head_size)` in the dtype of `q`.
+    pub fn forward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &LayerKvCache,
+        metadata: &AttentionMetadata,
+    ) -> Result<Tensor> {
+        let n = metadata.num_tokens();
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_size);
+        for (name, t, heads) in [("q", q, h), ("k", k, kvh), ("v", v, kvh)] {
+            if t.dims() != [n, heads * d] {
+                bail!(
+                    "{OP}: {name} must be [num_tokens = {n}, {heads} heads x {d}], got shape {:?}",
+                    t.dims()
+                );
+            }
+            if t.dtype() != q.dtype() {
+                bail!("{OP}: {name} is {:?} but q is {:?}", t.dtype(), q.dtype());
+            }
+        }
+        let k = k.reshape((n, kvh, d))?;
+        let v = v.reshape((n, kvh, d))?;
+        if cache.is_empty() {
+            // The seed's shortcut: one token attending to itself outputs its
+            // value (a one-element softmax is 1), so no cache is needed.
+            if metadata.is_single_token_prefill() && self.options.sinks.is_none() {
+                return self.single_token_output(&v);
+            }
+            bail!(
+                "{OP}: the layer cache has no blocks; only a single-token prefill without sinks runs without one (got {n} tokens in {} sequences)",
+                metadata.num_seqs()
+            );
+        }
+        self.check_cache(cache, q.dtype())?;
+        let layer = metadata.for_layer(
+            self.options.sliding_window,
+            self.options.attention_chunk_size,
+        )?;
+        let scales = self.kv_scales();
+        reshape_and_cache(
+            &k,
+            &v,
+            cache.key(),
+            cache.value(),
+            layer.slot_mapping,
+            scales,
+        )?;
+        let params =
+            PagedAttentionParams::new(cache.key(), cache.value(), &layer.batch, self.scale)
+                .with_sliding_window(self.options.sliding_window)
+                .with_softcap(self.options.softcap)
+                .with_alibi_slopes(self.options.alibi_slopes.clone())
+                .with_sinks(self.options.sinks.clone())
+                .with_kv_scales(scales)
+                .with_kv_split(self.options.kv_split);
+        let q = q.reshape((n, h, d))?;
+        paged_attention(&q, &params)?.reshape((n, h * d))
+    }
+
+    /// `v` `(1, num_kv_heads, head_size)` repeated for each query head of a group.
+    fn single_token_output(&self, v: &Tensor) -> Result<Tensor> {
+        let (kvh, d) = (self.num_kv_heads, self.head_size);
+        let group = self.num_heads / kvh;
+        v.reshape((1, kvh, 1, d))?
+            .broadcast_as((1, kvh, group, d))?
+            .reshape((1, self.num_heads * d))
+    }
+
+    fn check_cache(&self, cache: &LayerKvCache, q_dtype: DType) -> Result<()> {
+        let expected = (self.options.block_size, self.num_kv_heads, self.head_size);
+        let got = (cache.block_size(), cache.num_kv_heads(), cache.head_size());
+        if got != expected {
+            bail!(
+                "{OP}: cache has (block_size, num_kv_heads, head_size) = {got:?} but the layer expects {expected:?}"
+            );
+        }
+        let dtype = self.cache_dtype(q_dtype);
+        if cache.dtype() != dtype {
+            bail!(
+                "{OP}: cache is {:?} but the layer's kv_cache_dtype needs {dtype:?}",
+                cache.dtype()
+            );
+        }
+        Ok(())
+    }
+}
+
+fn head_vector(name: &str, t: Option<Tensor>, num_heads: usize) -> Result<Option<Tensor>> {
+    let Some(t) = t else { return Ok(None) };
+    if t.dims() != [num_heads] {
+        bail!(
+            "{OP}: {name} must have shape [num_heads = {num_heads}], got {:?}",
+            t.dims()
+        );
+    }
+    Ok(Some(t.to_dtype(DType::F32)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::{PagedBatch, SlotMapping};
+
+    #[test]
+    fn rejects_bad_options() {
+        let err = Attention::new(6, 4, 8, 1.0, AttentionOptions::default()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("num_heads 6 must be a positive multiple of num_kv_heads 4"),
+            "{err}"
+        );
+        let opts = AttentionOptions {
+            attention_chunk_size: Some(20),
+            ..Default::default()
+        };
+        let err = Attention::new(4, 4, 8, 1.0, opts).unwrap_err();
+        assert!(err.to_string().contains("attention_chunk_size 20"), "{err}");
+        let opts = AttentionOptions {
+            sinks: Some(Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap()),
+            ..Default::default()
+        };
+        assert!(Attention::new(4, 4, 8, 1.0, opts).is_err());
+    }
+
+    #[test]
+    fn single_token_prefill_without_cache_outputs_values() {
+        let dev = Device::Cpu;
+        let layer = Attention::new(4, 2, 3, 0.5, AttentionOptions::default()).unwrap();
+        let cache = layer.new_cache(0, DType::F32, &dev).unwrap();
+        let batch = PagedBatch::from_rows(&[0, 1], &[1], &[vec![0]], 16, &dev).unwrap();
+        let meta = AttentionMetadata::new(batch, SlotMapping::new(&[-1], &dev).unwrap()).unwrap();
+        let q = Tensor::ones((1, 12), DType::F32, &dev).unwrap();
+        let k = Tensor::ones((1, 6), DType::F32, &dev).unwrap();
+        let v = Tensor::arange(0f32, 6., &dev)
+            .unwrap()
+            .reshape((1, 6))
+            .unwrap();
+        let out = layer.forward(&q, &k, &v, &cache, &meta).unwrap();
+        assert_eq!(
+            out.to_vec2::<f32>().unwrap(),
+            [[0., 1., 2., 0., 1., 2., 3., 4., 5., 3., 4., 5.]]
+        );
+    }
+}

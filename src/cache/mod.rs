@@ -1,0 +1,19 @@
+//! KV caches and their bookkeeping.
+//!
+//! * [`LayerKvCache`]: one layer's key and value caches,
+//!   `(num_blocks, block_size, num_kv_heads, head_size)`, and
+//!   [`num_blocks_for_budget`] to size them from a memory budget.
+//! * [`BlockManager`]: which blocks each sequence owns. It admits sequences
+//!   (sharing cached prompt blocks when prefix caching is on), allocates
+//!   blocks as prefill chunks and decodes are scheduled, recycles blocks that
+//!   fell out of a sliding window, frees them when a sequence finishes, and
+//!   builds the [`AttentionMetadata`](crate::AttentionMetadata) of each
+//!   scheduled batch.
+
+mod layer;
+mod manager;
+mod pool;
+mod prefix;
+
+pub use layer::{num_blocks_for_budget, LayerKvCache};
+pub use manager::{BlockManager, BlockManagerConfig, ScheduledBatch, WindowGroupConfig, Work};

@@ -1,0 +1,179 @@
+//! A pool of cache block ids with reference counts and a prefix cache.
+//!
+//! A block is free (never used or its content forgotten), in use (reference
+//! count > 0), or cached-and-unused: its content hash is still registered so a
+//! later sequence with the same prefix can take it back, but it is the first
+//! to be reused (least recently released first) when the free list runs dry.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use candle_core::{bail, Result};
+
+const OP: &str = "block-manager";
+
+#[derive(Debug)]
+struct Cached {
+    hash: u64,
+    tokens: Box<[u32]>,
+}
+
+#[derive(Debug)]
+pub(crate) struct BlockPool {
+    free: VecDeque<u32>,
+    ref_counts: Vec<u32>,
+    cached: Vec<Option<Cached>>,
+    by_hash: HashMap<u64, u32>,
+    /// Unused cached blocks by release time (oldest first).
+    evictable: BTreeMap<u64, u32>,
+    released_at: Vec<u64>,
+    clock: u64,
+}
+
+impl BlockPool {
+    pub(crate) fn new(num_blocks: usize) -> Self {
+        Self {
+            free: (0..num_blocks as u32).collect(),
+            ref_counts: vec![0; num_blocks],
+            cached: (0..num_blocks).map(|_| None).collect(),
+            by_hash: HashMap::new(),
+            evictable: BTreeMap::new(),
+            released_at: vec![0; num_blocks],
+            clock: 0,
+        }
+    }
+
+    pub(crate) fn num_blocks(&self) -> usize {
+        self.ref_counts.len()
+    }
+
+    /// Blocks an allocation can take: free ones plus unused cached ones.
+    pub(crate) fn num_available(&self) -> usize {
+        self.free.len() + self.evictable.len()
+    }
+
+    /// Unused blocks that still hold a registered prefix.
+    pub(crate) fn num_cached_unused(&self) -> usize {
+        self.evictable.len()
+    }
+
+    /// Blocks registered in the prefix cache, used or not.
+    pub(crate) fn num_cached(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    pub(crate) fn ref_count(&self, block: u32) -> u32 {
+        self.ref_counts.get(block as usize).copied().unwrap_or(0)
+    }
+
+    /// Takes a block: a free one, else the least recently released cached one
+    /// (whose prefix is forgotten).
+    pub(crate) fn allocate(&mut self) -> Result<u32> {
+        let block = match self.free.pop_front() {
+            Some(b) => b,
+            None => {
+                let Some((_, b)) = self.evictable.pop_first() else {
+                    bail!(
+                        "{OP}: no free block left in a pool of {}",
+                        self.num_blocks()
+                    );
+                };
+                if let Some(c) = self.cached[b as usize].take() {
+                    self.by_hash.remove(&c.hash);
+                }
+                b
+            }
+        };
+        self.ref_counts[block as usize] = 1;
+        Ok(block)
+    }
+
+    /// Takes a reference to the cached block holding `tokens` under `hash`,
+    /// if there is one.
+    pub(crate) fn acquire_cached(&mut self, hash: u64, tokens: &[u32]) -> Option<u32> {
+        let &block = self.by_hash.get(&hash)?;
+        let c = self.cached[block as usize].as_ref()?;
+        if *c.tokens != *tokens {
+            return None;
+        }
+        let b = block as usize;
+        if self.ref_counts[b] == 0 {
+            self.evictable.remove(&self.released_at[b]);
+        }
+        self.ref_counts[b] += 1;
+        Some(block)
+    }
+
+    /// Registers a full, computed block under its content hash so later
+    /// sequences can share it. A hash already held by another block keeps
+    /// that block.
+    pub(crate) fn register(&mut self, block: u32, hash: u64, tokens: &[u32]) {
+        if self.by_hash.contains_key(&hash) || self.cached[block as usize].is_some() {
+            return;
+        }
+        self.by_hash.insert(hash, block);
+        self.cached[block as usize] = Some(Cached {
+            hash,
+            tokens: tokens.into(),
+        });
+    }
+
+    /// Drops one reference; an unused block goes back to the free list, or
+    /// stays cached (evictable) when it holds a registered prefix.
+    pub(crate) fn release(&mut self, block: u32) -> Result<()> {
+        let b = block as usize;
+        match self.ref_counts.get(b) {
+            None => bail!(
+                "{OP}: release of block {block} outside a pool of {}",
+                self.num_blocks()
+            ),
+            Some(0) => bail!("{OP}: release of block {block}, which is not in use"),
+            Some(_) => {}
+        }
+        self.ref_counts[b] -= 1;
+        if self.ref_counts[b] == 0 {
+            if self.cached[b].is_some() {
+                self.clock += 1;
+                self.released_at[b] = self.clock;
+                self.evictable.insert(self.clock, block);
+            } else {
+                self.free.push_back(block);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_blocks_are_reused_then_evicted_oldest_first() {
+        let mut pool = BlockPool::new(3);
+        let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
+        pool.register(a, 11, &[1, 2]);
+        pool.register(b, 22, &[3, 4]);
+        pool.release(b).unwrap();
+        pool.release(a).unwrap();
+        assert_eq!((pool.num_available(), pool.num_cached_unused()), (3, 2));
+        assert_eq!(
+            pool.acquire_cached(11, &[9, 9]),
+            None,
+            "tokens must match too"
+        );
+        assert_eq!(pool.acquire_cached(11, &[1, 2]), Some(a));
+        assert_eq!(pool.num_available(), 2);
+        let c = pool.allocate().unwrap();
+        assert_eq!(c, 2, "free blocks go first");
+        assert_eq!(pool.allocate().unwrap(), b, "then the oldest cached one");
+        assert_eq!(
+            pool.acquire_cached(22, &[3, 4]),
+            None,
+            "its prefix is forgotten"
+        );
+        assert!(pool.allocate().is_err());
+        assert!(pool.release(7).is_err());
+        pool.release(c).unwrap();
+        assert!(pool.release(c).is_err());
+    }
+}

@@ -1,0 +1,437 @@
+//! `AttentionMetadata`: everything the attention layers of one forward pass
+//! share, passed explicitly to each layer (no global context).
+//!
+//! It is built once per batch (usually by
+//! [`BlockManager::schedule`](crate::cache::BlockManager::schedule)); the
+//! O(batch) validation and uploads happen then. Layers only select a view:
+//! the full tables, a sliding-window group's tables, or a chunked-local
+//! remap, which is built on first use per chunk size and cached here.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{bail, Device, Result, Tensor};
+
+use crate::batch::{PagedBatch, SlotMapping};
+use crate::remap::{chunked_local_batches, select_window_group};
+
+const OP: &str = "attention-metadata";
+
+/// The block tables and slots of one sliding-window KV-cache group: layers
+/// with this window keep their own caches, whose blocks that fell out of the
+/// window may have been recycled.
+///
+/// The group's batch has the same `cu_seqlens_q` and `seq_lens` as the full
+/// one; only block ids (and so slots) differ.
+#[derive(Clone, Debug)]
+pub struct WindowGroup {
+    window: usize,
+    batch: PagedBatch,
+    slot_mapping: SlotMapping,
+}
+
+impl WindowGroup {
+    /// The window, in tokens, of the layers that read this group.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// The group's batch: `block_tables` `(num_seqs, width)` u32 in the
+    /// group's block-id space.
+    pub fn batch(&self) -> &PagedBatch {
+        &self.batch
+    }
+
+    /// The group's slots, `(num_tokens,)` i64.
+    pub fn slot_mapping(&self) -> &SlotMapping {
+        &self.slot_mapping
+    }
+}
+
+/// What one layer reads from the metadata: the batch to attend over and the
+/// slots to store its new keys and values into.
+#[derive(Clone, Debug)]
+pub struct LayerBatch<'a> {
+    /// The batch (possibly remapped into chunked-local virtual sequences).
+    pub batch: PagedBatch,
+    /// Slots of the new tokens, `(num_tokens,)` i64.
+    pub slot_mapping: &'a SlotMapping,
+}
+
+/// The batch metadata of one forward pass.
+///
+/// Device tensors (on the batch's device), each with its host copy:
+/// * batch - `cu_seqlens_q` `(num_seqs + 1,)` u32, `seq_lens` `(num_seqs,)` u32,
+///   `block_tables` `(num_seqs, width)` u32 (see [`PagedBatch`]).
+/// * `slot_mapping` - `(num_tokens,)` i64, where each new token's K/V goes.
+/// * `positions` - `(num_tokens,)` u32, the absolute position of each query
+///   row (for rotary embeddings: `cos.index_select(positions, 0)`).
+///
+/// A sequence with one new token and cached context is a decode; every other
+/// sequence is a prefill (or a prefill chunk). Both kinds may be interleaved.
+#[derive(Debug)]
+pub struct AttentionMetadata {
+    batch: PagedBatch,
+    slot_mapping: SlotMapping,
+    positions: Tensor,
+    positions_host: Arc<Vec<u32>>,
+    num_prefills: usize,
+    num_prefill_tokens: usize,
+    num_decodes: usize,
+    window_groups: Vec<WindowGroup>,
+    local: Mutex<HashMap<(Option<usize>, usize), PagedBatch>>,
+}
+
+impl AttentionMetadata {
+    /// Metadata for `batch` whose new tokens go to `slot_mapping`.
+    ///
+    /// # Arguments
+    /// * `batch` - the validated batch (full-attention block tables).
+    /// * `slot_mapping` - one slot per query row, on the batch's device.
+    pub fn new(batch: PagedBatch, slot_mapping: SlotMapping) -> Result<Self> {
+        check_slots("slot_mapping", &slot_mapping, &batch)?;
+        let host = batch.host();
+        let mut positions = Vec::with_capacity(host.num_tokens());
+        let (mut num_prefills, mut num_prefill_tokens, mut num_decodes) = (0, 0, 0);
+        for i in 0..host.num_seqs() {
+            let q_len = host.q_len(i);
+            let context = host.seq_lens[i] as usize - q_len;
+            positions.extend((context..context + q_len).map(|p| p as u32));
+            if q_len == 1 && context > 0 {
+                num_decodes += 1;
+            } else if q_len > 0 {
+                num_prefills += 1;
+                num_prefill_tokens += q_len;
+            }
+        }
+        let tensor = Tensor::from_slice(&positions, positions.len(), batch.device())?;
+        Ok(Self {
+            batch,
+            slot_mapping,
+            positions: tensor,
+            positions_host: Arc::new(positions),
+            num_prefills,
+            num_prefill_tokens,
+            num_decodes,
+            window_groups: Vec::new(),
+            local: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Adds the tables and slots of the sliding-window group read by layers
+    /// whose window is `window` tokens.
+    ///
+    /// # Arguments
+    /// * `window` - the layers' sliding window, at least 1, one group per window.
+    /// * `batch` - same `cu_seqlens_q`, `seq_lens` and block size as the full
+    ///   batch; block ids in the group's own cache.
+    /// * `slot_mapping` - the group's slots for the new tokens.
+    pub fn with_window_group(
+        mut self,
+        window: usize,
+        batch: PagedBatch,
+        slot_mapping: SlotMapping,
+    ) -> Result<Self> {
+        if window == 0 {
+            bail!("{OP}: window group window must be at least 1, got 0");
+        }
+        if self.window_groups.iter().any(|g| g.window == window) {
+            bail!("{OP}: a window group for window {window} already exists");
+        }
+        let (main, group) = (self.batch.host(), batch.host());
+        if group.cu_seqlens_q != main.cu_seqlens_q {
+            bail!(
+                "{OP}: window group {window} has cu_seqlens_q {:?} but the batch has {:?}",
+                group.cu_seqlens_q,
+                main.cu_seqlens_q
+            );
+        }
+        if group.seq_lens != main.seq_lens {
+            bail!(
+                "{OP}: window group {window} has seq_lens {:?} but the batch has {:?}",
+                group.seq_lens,
+                main.seq_lens
+            );
+        }
+        if group.block_size != main.block_size {
+            bail!(
+                "{OP}: window group {window} has block_size {} but the batch has {}",
+                group.block_size,
+                main.block_size
+            );
+        }
+        if !batch.device().same_device(self.batch.device()) {
+            bail!("{OP}: window group {window} is on another device than the batch");
+        }
+        check_slots("window group slot_mapping", &slot_mapping, &self.batch)?;
+        self.window_groups.push(WindowGroup {
+            window,
+            batch,
+            slot_mapping,
+        });
+        Ok(self)
+    }
+
+    /// Builds the chunked-local remaps for these chunk sizes now (for the
+    /// full tables and every window group) instead of on first use.
+    pub fn with_local_chunks(self, chunks: &[usize]) -> Result<Self> {
+        for &chunk in chunks {
+            self.local_batch(None, chunk)?;
+            for g in 0..self.window_groups.len() {
+                self.local_batch(Some(g), chunk)?;
+            }
+        }
+        Ok(self)
+    }
+
+    /// The full-attention batch.
+    pub fn batch(&self) -> &PagedBatch {
+        &self.batch
+    }
+
+    /// Slots of the new tokens in the full-attention caches, `(num_tokens,)` i64.
+    pub fn slot_mapping(&self) -> &SlotMapping {
+        &self.slot_mapping
+    }
+
+    /// Absolute position of each query row, `(num_tokens,)` u32.
+    pub fn positions(&self) -> &Tensor {
+        &self.positions
+    }
+
+    /// Host copy of [`positions`](Self::positions).
+    pub fn positions_host(&self) -> &[u32] {
+        &self.positions_host
+    }
+
+    /// The sliding-window groups, in the order they were added.
+    pub fn window_groups(&self) -> &[WindowGroup] {
+        &self.window_groups
+    }
+
+    /// The device every tensor lives on.
+    pub fn device(&self) -> &Device {
+        self.batch.device()
+    }
+
+    /// Query rows of the whole batch.
+    pub fn num_tokens(&self) -> usize {
+        self.batch.num_tokens()
+    }
+
+    /// Sequences in the batch.
+    pub fn num_seqs(&self) -> usize {
+        self.batch.num_seqs()
+    }
+
+    /// Sequences that run a prefill or a prefill chunk.
+    pub fn num_prefills(&self) -> usize {
+        self.num_prefills
+    }
+
+    /// Query rows of those prefills.
+    pub fn num_prefill_tokens(&self) -> usize {
+        self.num_prefill_tokens
+    }
+
+    /// Sequences that decode one token (after cached context).
+    pub fn num_decodes(&self) -> usize {
+        self.num_decodes
+    }
+
+    /// Query rows of those decodes (one each).
+    pub fn num_decode_tokens(&self) -> usize {
+        self.num_decodes
+    }
+
+    /// Longest query span of any sequence.
+    pub fn max_seqlen_q(&self) -> usize {
+        self.batch.host().max_seqlen_q
+    }
+
+    /// Largest key count of any sequence.
+    pub fn max_seqlen_k(&self) -> usize {
+        self.batch.host().max_seqlen_k
+    }
+
+    /// True when the batch is one prefill of one token with no context (the
+    /// layer's attention output is then the value itself).
+    pub fn is_single_token_prefill(&self) -> bool {
+        let host = self.batch.host();
+        host.num_seqs() == 1 && host.num_tokens() == 1 && host.seq_lens[0] == 1
+    }
+
+    /// The batch and slots a layer reads: its window group's when the layer
+    /// has a sliding window and the metadata carries a group for exactly that
+    /// window, the full ones otherwise; remapped into chunked-local virtual
+    /// sequences when `attention_chunk_size` is set.
+    pub fn for_layer(
+        &self,
+        sliding_window: Option<usize>,
+        attention_chunk_size: Option<usize>,
+    ) -> Result<LayerBatch<'_>> {
+        let windows: Vec<usize> = self.window_groups.iter().map(|g| g.window).collect();
+        let group = select_window_group(&windows, sliding_window);
+        let slot_mapping = match group {
+            Some(g) => &self.window_groups[g].slot_mapping,
+            None => &self.slot_mapping,
+        };
+        let batch = match attention_chunk_size {
+            Some(chunk) => self.local_batch(group, chunk)?,
+            None => self.group_batch(group).clone(),
+        };
+        Ok(LayerBatch {
+            batch,
+            slot_mapping,
+        })
+    }
+
+    fn group_batch(&self, group: Option<usize>) -> &PagedBatch {
+        match group {
+            Some(g) => &self.window_groups[g].batch,
+            None => &self.batch,
+        }
+    }
+
+    /// The chunked-local virtual batch of the full tables (`group = None`)
+    /// or of window group `group`, built once per chunk size and cached.
+    pub fn local_batch(&self, group: Option<usize>, chunk: usize) -> Result<PagedBatch> {
+        if let Some(g) = group {
+            if g >= self.window_groups.len() {
+                bail!(
+                    "{OP}: window group {g} does not exist ({} groups)",
+                    self.window_groups.len()
+                );
+            }
+        }
+        let Ok(mut cache) = self.local.lock() else {
+            bail!("{OP}: the chunked-local remap cache lock is poisoned");
+        };
+        if let Some(b) = cache.get(&(group, chunk)) {
+            return Ok(b.clone());
+        }
+        let source = self.group_batch(group);
+        let host = source.host();
+        let local = chunked_local_batches(
+            &host.cu_seqlens_q,
+            &host.seq_lens,
+            &host.block_tables,
+            host.block_table_width,
+            host.block_size,
+            chunk,
+        )?;
+        let batch = PagedBatch::new(
+            &local.cu_seqlens_q,
+            &local.seq_lens,
+            &local.block_tables,
+            local.width,
+            host.block_size,
+            source.device(),
+        )?;
+        cache.insert((group, chunk), batch.clone());
+        Ok(batch)
+    }
+}
+
+fn check_slots(name: &str, slots: &SlotMapping, batch: &PagedBatch) -> Result<()> {
+    if slots.len() != batch.num_tokens() {
+        bail!(
+            "{OP}: {name} has {} slots but the batch has {} tokens",
+            slots.len(),
+            batch.num_tokens()
+        );
+    }
+    if !slots.slots().device().same_device(batch.device()) {
+        bail!("{OP}: {name} is on another device than the batch");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metadata() -> AttentionMetadata {
+        let dev = Device::Cpu;
+        // A prefill of 3 tokens, a decode after 4 cached tokens, block size 2.
+        let batch =
+            PagedBatch::from_rows(&[0, 3, 4], &[3, 5], &[vec![0, 1], vec![2, 3, 4]], 2, &dev)
+                .unwrap();
+        let slots = SlotMapping::new(&[0, 1, 2, 8], &dev).unwrap();
+        AttentionMetadata::new(batch, slots).unwrap()
+    }
+
+    #[test]
+    fn counts_and_positions() {
+        let m = metadata();
+        assert_eq!(m.positions_host(), [0, 1, 2, 4]);
+        assert_eq!(m.positions().to_vec1::<u32>().unwrap(), [0, 1, 2, 4]);
+        assert_eq!((m.num_prefills(), m.num_prefill_tokens()), (1, 3));
+        assert_eq!((m.num_decodes(), m.num_decode_tokens()), (1, 1));
+        assert_eq!((m.max_seqlen_q(), m.max_seqlen_k()), (3, 5));
+        assert!(!m.is_single_token_prefill());
+    }
+
+    #[test]
+    fn selects_groups_and_caches_remaps() {
+        let dev = Device::Cpu;
+        let group =
+            PagedBatch::from_rows(&[0, 3, 4], &[3, 5], &[vec![5, 6], vec![0, 0, 7]], 2, &dev)
+                .unwrap();
+        let slots = SlotMapping::new(&[10, 11, 12, 14], &dev).unwrap();
+        let m = metadata()
+            .with_window_group(4, group, slots)
+            .unwrap()
+            .with_local_chunks(&[2])
+            .unwrap();
+        assert_eq!(
+            m.for_layer(Some(4), None).unwrap().slot_mapping.host(),
+            [10, 11, 12, 14]
+        );
+        assert_eq!(
+            m.for_layer(Some(8), None).unwrap().slot_mapping.host(),
+            [0, 1, 2, 8]
+        );
+        assert_eq!(
+            m.for_layer(None, None).unwrap().batch.host().block_tables,
+            [0, 1, 0, 2, 3, 4]
+        );
+        let local = m.for_layer(None, Some(2)).unwrap().batch;
+        assert_eq!(local.host().seq_lens, [2, 1, 1]);
+        assert_eq!(local.host().block_tables, [0, 1, 4]);
+        assert_eq!(m.local.lock().unwrap().len(), 2);
+        let windowed = m.for_layer(Some(4), Some(2)).unwrap().batch;
+        assert_eq!(windowed.host().block_tables, [5, 6, 7]);
+    }
+
+    #[test]
+    fn rejects_malformed_groups() {
+        let dev = Device::Cpu;
+        let slots = SlotMapping::new(&[0, 1, 2], &dev).unwrap();
+        let batch =
+            PagedBatch::from_rows(&[0, 3, 4], &[3, 5], &[vec![0, 1], vec![2, 3, 4]], 2, &dev)
+                .unwrap();
+        let err = AttentionMetadata::new(batch, slots).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("slot_mapping has 3 slots but the batch has 4 tokens"),
+            "{err}"
+        );
+
+        let other =
+            PagedBatch::from_rows(&[0, 2, 4], &[3, 5], &[vec![0, 1], vec![2, 3, 4]], 2, &dev)
+                .unwrap();
+        let slots = SlotMapping::new(&[0, 1, 2, 3], &dev).unwrap();
+        let err = metadata().with_window_group(4, other, slots).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("window group 4 has cu_seqlens_q [0, 2, 4]"),
+            "{err}"
+        );
+        let err = metadata().with_local_chunks(&[3]).unwrap_err();
+        assert!(
+            err.to_string().contains("not a multiple of block_size 2"),
+            "{err}"
+        );
+    }
+}
