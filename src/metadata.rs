@@ -270,8 +270,8 @@ impl AttentionMetadata {
         sliding_window: Option<usize>,
         attention_chunk_size: Option<usize>,
     ) -> Result<LayerBatch<'_>> {
-        let windows: Vec<usize> = self.window_groups.iter().map(|g| g.window).collect();
-        let group = select_window_group(&windows, sliding_window);
+        let windows = self.window_groups.iter().map(|g| g.window);
+        let group = select_window_group(windows, sliding_window);
         let slot_mapping = match group {
             Some(g) => &self.window_groups[g].slot_mapping,
             None => &self.slot_mapping,

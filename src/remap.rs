@@ -173,9 +173,12 @@ pub fn blocks_out_of_window(context_len: usize, window: usize, block_size: usize
 /// The sliding-window group a layer reads: the group whose window equals the
 /// layer's, or `None` (the full block tables and slot mapping) for a layer
 /// without a window or when no group matches.
-pub fn select_window_group(group_windows: &[usize], layer_window: Option<usize>) -> Option<usize> {
+pub fn select_window_group(
+    group_windows: impl IntoIterator<Item = usize>,
+    layer_window: Option<usize>,
+) -> Option<usize> {
     let w = layer_window?;
-    group_windows.iter().position(|&g| g == w)
+    group_windows.into_iter().position(|g| g == w)
 }
 
 #[cfg(test)]
@@ -434,8 +437,8 @@ mod tests {
         assert_eq!(blocks_out_of_window(5, 4, 2), 1);
         assert_eq!(blocks_out_of_window(2, 4, 2), 0);
         assert_eq!(blocks_out_of_window(10, 1, 4), 2);
-        assert_eq!(select_window_group(&[512, 4096], Some(4096)), Some(1));
-        assert_eq!(select_window_group(&[512], Some(128)), None);
-        assert_eq!(select_window_group(&[512], None), None);
+        assert_eq!(select_window_group([512, 4096], Some(4096)), Some(1));
+        assert_eq!(select_window_group([512], Some(128)), None);
+        assert_eq!(select_window_group([512], None), None);
     }
 }

@@ -590,6 +590,38 @@ fn prefix_cached_generation(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// Realistic block and head sizes, more sequences, longer histories.
+fn larger_mixed_generation(dev: &Device) -> Result<()> {
+    let mut sim = Sim::new(vec![
+        LayerSpec::default(),
+        LayerSpec {
+            window: Some(24),
+            ..Default::default()
+        },
+        LayerSpec {
+            chunk: Some(32),
+            ..Default::default()
+        },
+        LayerSpec {
+            sinks: true,
+            softcap: Some(30.0),
+            ..Default::default()
+        },
+    ]);
+    sim.heads = 8;
+    sim.kv_heads = 2;
+    sim.head_size = 64;
+    sim.scale = 0.125;
+    sim.max_chunk = 40;
+    sim.config = BlockManagerConfig::new(16, 128).with_window_group(24, 40);
+    sim.requests = (0..12)
+        .map(|i| req(i * 3, 1 + (i * 37) % 97, (i * 13) % 41))
+        .collect();
+    let stats = simulate(&sim, dev)?;
+    ensure!(stats.mixed_steps > 10 && stats.rows > 500, "{stats:?}");
+    Ok(())
+}
+
 /// A small manager, layer and cache for the error tests.
 fn small(dev: &Device, num_blocks: usize) -> Result<(BlockManager, Attention, LayerKvCache)> {
     let mgr = BlockManager::new(BlockManagerConfig::new(4, num_blocks))?;
@@ -808,6 +840,7 @@ device_tests!(
     sinks_softcap_alibi_generation,
     fp8_cache_generation,
     prefix_cached_generation,
+    larger_mixed_generation,
     out_of_blocks_is_an_error,
     malformed_inputs_are_errors,
     single_token_prefill,
