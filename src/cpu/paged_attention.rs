@@ -68,7 +68,11 @@ fn head_vector(t: &Option<Tensor>) -> Result<Option<Vec<f32>>> {
     t.as_ref().map(|t| t.to_vec1::<f32>()).transpose()
 }
 
-fn cpu_slice<'a, T: WithDType>(storage: &'a Storage, layout: &Layout, name: &str) -> Result<&'a [T]> {
+fn cpu_slice<'a, T: WithDType>(
+    storage: &'a Storage,
+    layout: &Layout,
+    name: &str,
+) -> Result<&'a [T]> {
     let Storage::Cpu(cpu) = storage else {
         bail!("paged-attention: {name} is not on the cpu");
     };
@@ -145,7 +149,10 @@ pub(crate) fn forward(
 
 /// Computes every item and writes the output as `O`, multiplied by `out_mul`
 /// (saturating for fp8).
-fn store<O: Elem + WithDType>(problem: &Problem<'_, impl Elem, impl Elem>, out_mul: f32) -> CpuStorage {
+fn store<O: Elem + WithDType>(
+    problem: &Problem<'_, impl Elem, impl Elem>,
+    out_mul: f32,
+) -> CpuStorage {
     let AttentionDims {
         num_tokens,
         num_heads,
@@ -156,7 +163,9 @@ fn store<O: Elem + WithDType>(problem: &Problem<'_, impl Elem, impl Elem>, out_m
     let items = work_items(problem.host, problem.dims.num_kv_heads);
     let results: Vec<Vec<f32>> = items
         .par_iter()
-        .map_init(Scratch::default, |scratch, item| attend(problem, item, scratch))
+        .map_init(Scratch::default, |scratch, item| {
+            attend(problem, item, scratch)
+        })
         .collect();
     let mut out = vec![O::from_f32(0.0); num_tokens * num_heads * head_size];
     for (item, rows) in items.iter().zip(&results) {
@@ -193,7 +202,12 @@ fn work_items(host: &BatchHost, num_kv_heads: usize) -> Vec<WorkItem> {
 /// Whether query at absolute position `q_abs` sees key `key` (both `< seq_len`)
 /// before score-level masking (a `-inf` bias).
 #[inline]
-fn visible(q_abs: usize, key: usize, window: Option<usize>, ranges: &[std::ops::Range<u32>]) -> bool {
+fn visible(
+    q_abs: usize,
+    key: usize,
+    window: Option<usize>,
+    ranges: &[std::ops::Range<u32>],
+) -> bool {
     let causal = key <= q_abs && window.is_none_or(|w| q_abs - key < w);
     causal
         || ranges.iter().any(|r| {
@@ -259,7 +273,9 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
     let (lo, hi) = if ranges.iter().any(|r| r.start < r.end) {
         (0, seq_len)
     } else {
-        let lo = o.sliding_window.map_or(0, |w| (first_abs + 1).saturating_sub(w));
+        let lo = o
+            .sliding_window
+            .map_or(0, |w| (first_abs + 1).saturating_sub(w));
         (lo, last_abs + 1)
     };
 
@@ -274,8 +290,16 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
             let key = tile_start + t;
             let block = table[key / block_size] as usize;
             let off = (block * block_size + key % block_size) * kv_row + item.kv_head * d;
-            load_scaled(&mut s.keys[t * d..(t + 1) * d], &p.k[off..off + d], o.k_scale);
-            load_scaled(&mut s.values[t * d..(t + 1) * d], &p.v[off..off + d], o.v_scale);
+            load_scaled(
+                &mut s.keys[t * d..(t + 1) * d],
+                &p.k[off..off + d],
+                o.k_scale,
+            );
+            load_scaled(
+                &mut s.values[t * d..(t + 1) * d],
+                &p.v[off..off + d],
+                o.v_scale,
+            );
         }
         for i in 0..nq {
             let q_rel = item.row_start + i / group;

@@ -5,7 +5,6 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Layout, Result};
 use float8::F8E4M3;
 
-
 use crate::cpu::elem::Elem;
 
 /// Writes `new` `(num_tokens, num_kv_heads, head_size)` into `cache`
@@ -36,8 +35,12 @@ pub(crate) fn forward(
     let slots = &slots[s0..s1];
     let inv_scale = 1.0 / scale;
     match (cache, new) {
-        (CpuStorage::F32(c), CpuStorage::F32(n)) => copy_rows(&mut c[c0..c1], &n[n0..n1], slots, row),
-        (CpuStorage::F16(c), CpuStorage::F16(n)) => copy_rows(&mut c[c0..c1], &n[n0..n1], slots, row),
+        (CpuStorage::F32(c), CpuStorage::F32(n)) => {
+            copy_rows(&mut c[c0..c1], &n[n0..n1], slots, row)
+        }
+        (CpuStorage::F16(c), CpuStorage::F16(n)) => {
+            copy_rows(&mut c[c0..c1], &n[n0..n1], slots, row)
+        }
         (CpuStorage::BF16(c), CpuStorage::BF16(n)) => {
             copy_rows(&mut c[c0..c1], &n[n0..n1], slots, row)
         }
@@ -68,7 +71,13 @@ fn copy_rows<T: Copy>(cache: &mut [T], new: &[T], slots: &[i64], row: usize) {
     }
 }
 
-fn quantise_rows<N: Elem>(cache: &mut [F8E4M3], new: &[N], slots: &[i64], row: usize, inv_scale: f32) {
+fn quantise_rows<N: Elem>(
+    cache: &mut [F8E4M3],
+    new: &[N],
+    slots: &[i64],
+    row: usize,
+    inv_scale: f32,
+) {
     for (src, &slot) in new.chunks_exact(row).zip(slots) {
         if slot >= 0 {
             let dst = slot as usize * row;
@@ -78,4 +87,3 @@ fn quantise_rows<N: Elem>(cache: &mut [F8E4M3], new: &[N], slots: &[i64], row: u
         }
     }
 }
-

@@ -193,7 +193,12 @@ fn check_head_vector(name: &str, t: &Tensor, num_heads: usize, device: &Device) 
 impl PagedAttentionParams {
     /// Checks the call against the query's dtype, shape and device; O(1) in
     /// the batch size (the batch was checked when it was built).
-    pub fn validate(&self, q_dtype: DType, q_shape: &Shape, q_device: &Device) -> Result<AttentionDims> {
+    pub fn validate(
+        &self,
+        q_dtype: DType,
+        q_shape: &Shape,
+        q_device: &Device,
+    ) -> Result<AttentionDims> {
         if !matches!(q_dtype, DType::F32 | DType::F16 | DType::BF16) {
             bail!("{OP}: q must be f32, f16 or bf16, got {q_dtype:?}");
         }
@@ -240,12 +245,12 @@ impl PagedAttentionParams {
             bail!("{OP}: head_size must be in 1..={MAX_HEAD_SIZE}, got {head_size}");
         }
         if cache_head_size != head_size {
-            bail!("{OP}: q has head_size {head_size} but key_cache has head_size {cache_head_size}");
+            bail!(
+                "{OP}: q has head_size {head_size} but key_cache has head_size {cache_head_size}"
+            );
         }
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            bail!(
-                "{OP}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-            );
+            bail!("{OP}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}");
         }
         let host = self.batch.host();
         check_device("batch", self.batch.seq_lens(), q_device)?;
@@ -291,7 +296,10 @@ impl PagedAttentionParams {
                 bail!("{OP}: qq_bias must be f32, got {:?}", b.dtype());
             }
             let &[rows, _cols] = b.dims() else {
-                bail!("{OP}: qq_bias must have rank 2 [rows, cols], got shape {:?}", b.dims());
+                bail!(
+                    "{OP}: qq_bias must have rank 2 [rows, cols], got shape {:?}",
+                    b.dims()
+                );
             };
             if rows < host.max_seqlen_q {
                 bail!(
@@ -348,7 +356,9 @@ impl CustomOp1 for PagedAttention<'_> {
         layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let device = Device::Cuda(storage.device().clone());
-        let dims = self.params.validate(storage.dtype(), layout.shape(), &device)?;
+        let dims = self
+            .params
+            .validate(storage.dtype(), layout.shape(), &device)?;
         crate::cuda::paged_attention::forward(self.params, &dims, storage, layout)
     }
 }

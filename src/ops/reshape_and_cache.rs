@@ -85,7 +85,10 @@ fn validate_pair(
         );
     };
     if !matches!(new.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-        bail!("{OP}: {name} must be f32, f16 or bf16, got {:?}", new.dtype());
+        bail!(
+            "{OP}: {name} must be f32, f16 or bf16, got {:?}",
+            new.dtype()
+        );
     }
     if cache.dtype() != new.dtype() && cache.dtype() != DType::F8E4M3 {
         bail!(
@@ -125,9 +128,7 @@ fn validate_pair(
     if let Some(max) = slot_mapping.max_slot() {
         let capacity = (num_blocks * block_size) as i64;
         if max >= capacity {
-            bail!(
-                "{OP}: slot_mapping holds slot {max} >= num_blocks * block_size = {capacity}"
-            );
+            bail!("{OP}: slot_mapping holds slot {max} >= num_blocks * block_size = {capacity}");
         }
     }
     Ok(())
