@@ -13,7 +13,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::batch::BatchHost;
-use crate::cpu::elem::{axpy, dot, load_scaled, Elem};
+use crate::cpu::elem::{axpy, axpy4, dot, dot4, load_scaled, Elem};
 use crate::ops::paged_attention::{AttentionDims, PagedAttentionParams};
 
 /// Query rows per work item (times the GQA group size in query vectors).
@@ -306,13 +306,28 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
             let q_abs = context_len + q_rel;
             let h = item.kv_head * group + i % group;
             let qv = &s.queries[i * d..(i + 1) * d];
+            // Raw dot products, four keys per pass over the query.
+            let keys = &s.keys;
+            let key_row = |t: usize| &keys[t * d..(t + 1) * d];
+            let mut t = 0;
+            while t + 4 <= n {
+                let dots = dot4(
+                    qv,
+                    [key_row(t), key_row(t + 1), key_row(t + 2), key_row(t + 3)],
+                );
+                s.scores[t..t + 4].copy_from_slice(&dots);
+                t += 4;
+            }
+            for t in t..n {
+                s.scores[t] = dot(qv, key_row(t));
+            }
             // Scores: scale*q.k, softcap, mask, ALiBi, qq_bias (the seed's order).
             let mut tile_max = f32::NEG_INFINITY;
             for t in 0..n {
                 let key = tile_start + t;
                 let mut sc = f32::NEG_INFINITY;
                 if visible(q_abs, key, o.sliding_window, ranges) {
-                    sc = dot(qv, &s.keys[t * d..(t + 1) * d]);
+                    sc = s.scores[t];
                     if let Some(c) = o.softcap {
                         sc = c * (sc / c).tanh();
                     }
@@ -340,14 +355,33 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
                 acc_i.iter_mut().for_each(|a| *a *= alpha);
             }
             // Masked keys are skipped, never multiplied by zero: their values
-            // may be garbage (unwritten pages).
-            for t in 0..n {
-                let sc = s.scores[t];
-                if sc > f32::NEG_INFINITY {
-                    let prob = (sc - new_max).exp();
-                    s.row_sum[i] += prob;
-                    axpy(acc_i, prob, &s.values[t * d..(t + 1) * d]);
+            // may be garbage (unwritten pages). Four fully visible keys at a
+            // time take one pass over the accumulator.
+            let values = &s.values;
+            let value_row = |t: usize| &values[t * d..(t + 1) * d];
+            let mut t = 0;
+            while t < n {
+                let quad = &s.scores[t..(t + 4).min(n)];
+                if quad.len() == 4 && quad.iter().all(|&sc| sc > f32::NEG_INFINITY) {
+                    let p = [0, 1, 2, 3].map(|j| (quad[j] - new_max).exp());
+                    s.row_sum[i] += (p[0] + p[1]) + (p[2] + p[3]);
+                    let rows = [
+                        value_row(t),
+                        value_row(t + 1),
+                        value_row(t + 2),
+                        value_row(t + 3),
+                    ];
+                    axpy4(acc_i, p, rows);
+                } else {
+                    for (j, &sc) in quad.iter().enumerate() {
+                        if sc > f32::NEG_INFINITY {
+                            let prob = (sc - new_max).exp();
+                            s.row_sum[i] += prob;
+                            axpy(acc_i, prob, value_row(t + j));
+                        }
+                    }
                 }
+                t += quad.len();
             }
             s.row_max[i] = new_max;
         }
