@@ -53,6 +53,8 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod metadata;
+#[cfg(feature = "models")]
+pub mod models;
 pub mod ops;
 pub mod remap;
 

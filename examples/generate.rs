@@ -1,0 +1,417 @@
+//! Text generation with the paged models and continuous batching.
+//!
+//! ```text
+//! cargo run --release --features models --example generate -- --prompt "What is 2 + 2?"
+//! cargo run --release --features models --example generate -- model.gguf --prompt a --prompt b
+//! cargo run --release --features models --example generate -- ./gemma-3-1b-it --prompts-file prompts.txt
+//! ```
+//!
+//! Without a model path, SmolLM2-135M-Instruct is fetched by
+//! `scripts/fetch-smollm2.sh`. One prompt streams its tokens; several run
+//! through the continuous-batching engine and print each output and the
+//! aggregate throughput.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use candle_paged_attention::models::generation::{
+    Completion, Engine, Request, SamplingParams, SchedulerConfig,
+};
+use candle_paged_attention::models::tokenizer::{self, ChatMessage, TextStream};
+use candle_paged_attention::models::{
+    gemma2, gemma3, llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
+};
+use candle_paged_attention::{num_blocks_for_budget, Attention};
+use clap::Parser;
+use tokenizers::Tokenizer;
+
+#[derive(Parser, Debug)]
+#[command(about = "Generate text with paged Llama / Gemma models and continuous batching")]
+struct Args {
+    /// A GGUF file (quantized Llama) or a directory with config.json,
+    /// *.safetensors and tokenizer.json (Llama, Gemma 2, Gemma 3). Default:
+    /// SmolLM2-135M-Instruct, fetched by scripts/fetch-smollm2.sh.
+    model: Option<PathBuf>,
+    /// A prompt; repeat for several (they run as one continuous batch).
+    #[arg(long)]
+    prompt: Vec<String>,
+    /// A file with one prompt per line.
+    #[arg(long)]
+    prompts_file: Option<PathBuf>,
+    /// Send prompts as they are, without the chat template.
+    #[arg(long)]
+    raw: bool,
+    /// New tokens per prompt at most.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Nucleus sampling threshold (with a temperature).
+    #[arg(long)]
+    top_p: Option<f64>,
+    /// Random seed (prompt i uses seed + i).
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// cpu or cuda (cuda needs --features cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Activation dtype of safetensors models: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// KV cache blocks per layer (overrides --kv-memory-mb).
+    #[arg(long)]
+    num_blocks: Option<usize>,
+    /// KV cache budget in MiB, over all layers.
+    #[arg(long, default_value_t = 256)]
+    kv_memory_mb: usize,
+    /// Tokens per cache block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Token budget of one step: prompts are prefilled in chunks that fit it.
+    #[arg(long, default_value_t = 256)]
+    chunk_tokens: usize,
+    /// Sequences running at once.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Dequantize GGUF weights to f32 at load time (dense matmuls: faster
+    /// on CPU for Q4_1, whose quantized dot products have no SIMD kernel).
+    #[arg(long)]
+    dequantize: bool,
+    /// A tokenizer.json to use instead of the model's.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+/// The chat format of a model family.
+#[derive(Clone, Copy, Debug)]
+enum PromptFormat {
+    ChatMl { smollm2: bool },
+    Gemma,
+    Raw,
+}
+
+struct Loaded {
+    model: Box<dyn PagedModel>,
+    tokenizer: Tokenizer,
+    chat: PromptFormat,
+    eos: Vec<u32>,
+    name: String,
+}
+
+fn fetch_smollm2() -> Result<PathBuf> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-smollm2.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} failed", script.display());
+    }
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
+fn stop_tokens(tok: &Tokenizer, extra: Option<u32>) -> Vec<u32> {
+    let mut ids: Vec<u32> = [
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<end_of_turn>",
+        "<eos>",
+        "</s>",
+        "<|eot_id|>",
+    ]
+    .iter()
+    .filter_map(|t| tok.token_to_id(t))
+    .collect();
+    ids.extend(extra);
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+fn chat_of(tok: &Tokenizer, smollm2: bool) -> PromptFormat {
+    if tok.token_to_id("<|im_start|>").is_some() {
+        PromptFormat::ChatMl { smollm2 }
+    } else if tok.token_to_id("<start_of_turn>").is_some() {
+        PromptFormat::Gemma
+    } else {
+        PromptFormat::Raw
+    }
+}
+
+fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let ct = gguf_file::Content::read(&mut file)?;
+    let tokenizer = match &args.tokenizer {
+        Some(p) => Tokenizer::from_file(p).map_err(anyhow::Error::msg)?,
+        None => tokenizer::tokenizer_from_gguf(&ct)?,
+    };
+    let template = ct
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_default();
+    let name = ct
+        .metadata
+        .get("general.name")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_else(|| path.display().to_string());
+    let eos = stop_tokens(&tokenizer, tokenizer::gguf_eos_token(&ct));
+    let model = if args.dequantize {
+        quantized_llama::QuantizedLlama::from_gguf_dequantized(&ct, &mut file, dev, opts)?
+    } else {
+        quantized_llama::QuantizedLlama::from_gguf(&ct, &mut file, dev, opts)?
+    };
+    Ok(Loaded {
+        model: Box::new(model),
+        chat: chat_of(&tokenizer, template.contains("SmolLM")),
+        tokenizer,
+        eos,
+        name,
+    })
+}
+
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        bail!("no *.safetensors in {}", dir.display());
+    }
+    Ok(files)
+}
+
+fn load_dir(dir: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
+    let config = std::fs::read_to_string(dir.join("config.json"))
+        .with_context(|| format!("reading {}/config.json", dir.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&config)?;
+    let model_type = json["model_type"].as_str().unwrap_or("llama").to_string();
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        d => bail!("--dtype must be f32, bf16 or f16, got {d}"),
+    };
+    // SAFETY: the files are not modified while the model is loaded.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&safetensors_files(dir)?, dtype, dev)? };
+    let model: Box<dyn PagedModel> = match model_type.as_str() {
+        "llama" | "mistral" => {
+            let cfg: llama::LlamaConfig = serde_json::from_str(&config)?;
+            Box::new(llama::Llama::load(vb, &cfg.into_config(false), opts)?)
+        }
+        "gemma2" => Box::new(gemma2::Gemma2::load(
+            vb,
+            &serde_json::from_str(&config)?,
+            opts,
+        )?),
+        "gemma3" | "gemma3_text" => Box::new(gemma3::Gemma3::load(
+            vb,
+            &serde_json::from_str(&config)?,
+            opts,
+        )?),
+        t => bail!("model_type {t} is not supported (llama, gemma2, gemma3_text)"),
+    };
+    let tok_path = args
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| dir.join("tokenizer.json"));
+    let tokenizer = Tokenizer::from_file(&tok_path)
+        .map_err(|e| anyhow::anyhow!("loading {}: {e}", tok_path.display()))?;
+    let eos = stop_tokens(&tokenizer, json["eos_token_id"].as_u64().map(|v| v as u32));
+    Ok(Loaded {
+        model,
+        chat: chat_of(&tokenizer, false),
+        tokenizer,
+        eos,
+        name: format!("{} ({model_type})", dir.display()),
+    })
+}
+
+fn format_prompt(chat: PromptFormat, raw: bool, prompt: &str) -> String {
+    match (raw, chat) {
+        (true, _) | (_, PromptFormat::Raw) => prompt.to_string(),
+        (_, PromptFormat::ChatMl { smollm2: true }) => tokenizer::smollm2_chat_prompt(prompt),
+        (_, PromptFormat::ChatMl { smollm2: false }) => {
+            tokenizer::chatml_prompt(&[ChatMessage::new("user", prompt)], None, true)
+        }
+        (_, PromptFormat::Gemma) => {
+            format!("<bos><start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n")
+        }
+    }
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
+        d => bail!("--device must be cpu or cuda, got {d}"),
+    };
+    let mut prompts = args.prompt.clone();
+    if let Some(f) = &args.prompts_file {
+        let text =
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+        prompts.extend(
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(String::from),
+        );
+    }
+    if prompts.is_empty() {
+        prompts.push("What is the capital of France? Answer in one sentence.".to_string());
+    }
+    let path = match &args.model {
+        Some(p) => p.clone(),
+        None => fetch_smollm2()?,
+    };
+    let opts = PagedOptions {
+        block_size: args.block_size,
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let loaded = if path.is_dir() {
+        load_dir(&path, &args, &dev, opts)?
+    } else {
+        load_gguf(&path, &args, &dev, opts)?
+    };
+    let model = loaded.model.as_ref();
+    let layers: Vec<&Attention> = model.attention_layers();
+    let num_blocks = match args.num_blocks {
+        Some(n) => n,
+        None => num_blocks_for_budget(
+            args.kv_memory_mb << 20,
+            layers.len(),
+            args.block_size,
+            layers[0].num_kv_heads(),
+            layers[0].head_size(),
+            model.dtype(),
+        )?,
+    };
+    let cache = PagedKvCache::new(&layers, CacheConfig::new(num_blocks), model.dtype(), &dev)?;
+    eprintln!(
+        "model {} loaded in {:.2?} on {:?}; KV cache: {} layers x {num_blocks} blocks of {} tokens = {:.1} MiB",
+        loaded.name,
+        start.elapsed(),
+        dev,
+        layers.len(),
+        args.block_size,
+        mib(cache.memory_bytes())
+    );
+    let kv_bytes = cache.memory_bytes();
+    let mut engine = Engine::new(
+        model,
+        cache,
+        SchedulerConfig {
+            max_batch_tokens: args.chunk_tokens,
+            max_num_seqs: args.max_num_seqs,
+        },
+    )?;
+    let mut prompt_tokens = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let ids = tokenizer::encode(&loaded.tokenizer, &format_prompt(loaded.chat, args.raw, p))?;
+        prompt_tokens += ids.len();
+        engine.add_request(Request {
+            id: i as u64,
+            prompt: ids,
+            params: SamplingParams {
+                temperature: args.temperature,
+                top_p: args.top_p,
+                seed: args.seed + i as u64,
+                max_tokens: args.max_tokens,
+                stop_tokens: loaded.eos.clone(),
+            },
+        })?;
+    }
+    let start = Instant::now();
+    let tok = &loaded.tokenizer;
+    let completions = if prompts.len() == 1 {
+        println!("> {}", prompts[0]);
+        let mut stream = TextStream::new();
+        let mut err = None;
+        let done = engine.run(|ev| {
+            if loaded.eos.contains(&ev.token) {
+                return;
+            }
+            match stream.push(tok, ev.token) {
+                Ok(Some(text)) => {
+                    print!("{text}");
+                    let _ = std::io::stdout().flush();
+                }
+                Ok(None) => {}
+                Err(e) => err = Some(e),
+            }
+        })?;
+        println!();
+        if let Some(e) = err {
+            return Err(e.into());
+        }
+        done
+    } else {
+        let mut done = engine.run(|_| {})?;
+        done.sort_by_key(|c| c.id);
+        for c in &done {
+            let text = tokenizer::decode(tok, &c.tokens)?;
+            println!(
+                "--- [{}] {}\n{}\n",
+                c.id,
+                prompts[c.id as usize],
+                text.trim()
+            );
+        }
+        done
+    };
+    report(
+        &completions,
+        start.elapsed(),
+        prompt_tokens,
+        kv_bytes,
+        engine.num_steps(),
+    );
+    Ok(())
+}
+
+fn report(
+    done: &[Completion],
+    wall: Duration,
+    prompt_tokens: usize,
+    kv_bytes: usize,
+    steps: usize,
+) {
+    let generated: usize = done.iter().map(|c| c.tokens.len()).sum();
+    let ttft: Vec<f64> = done
+        .iter()
+        .map(|c| c.time_to_first_token.as_secs_f64())
+        .collect();
+    let mean_ttft = ttft.iter().sum::<f64>() / ttft.len().max(1) as f64;
+    let max_ttft = ttft.iter().cloned().fold(0.0, f64::max);
+    let preempted: usize = done.iter().map(|c| c.preemptions).sum();
+    eprintln!(
+        "{} sequences, {prompt_tokens} prompt tokens, {generated} generated tokens in {:.2}s ({steps} steps): {:.1} tokens/s generated, {:.1} tokens/s processed",
+        done.len(),
+        wall.as_secs_f64(),
+        generated as f64 / wall.as_secs_f64(),
+        (generated + prompt_tokens) as f64 / wall.as_secs_f64(),
+    );
+    eprintln!(
+        "time to first token: mean {:.3}s, max {:.3}s; KV cache {:.1} MiB; preemptions {preempted}",
+        mean_ttft,
+        max_ttft,
+        mib(kv_bytes)
+    );
+}

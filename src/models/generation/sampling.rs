@@ -1,0 +1,93 @@
+//! Next-token sampling: greedy by default, or temperature with optional
+//! top-p, seeded per sequence.
+
+use candle_core::{bail, Result, Tensor};
+use candle_transformers::generation::LogitsProcessor;
+
+/// How one sequence picks its tokens and when it stops.
+///
+/// * `temperature` - `<= 0` is greedy (argmax).
+/// * `top_p` - nucleus sampling threshold in `(0, 1]` (with a temperature).
+/// * `seed` - the sequence's random seed.
+/// * `max_tokens` - new tokens to generate at most.
+/// * `stop_tokens` - generation stops after any of these (it is kept in the output).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `<= 0` is greedy.
+    pub temperature: f64,
+    /// Nucleus sampling threshold.
+    pub top_p: Option<f64>,
+    /// Random seed.
+    pub seed: u64,
+    /// Maximum new tokens.
+    pub max_tokens: usize,
+    /// Tokens that end the sequence.
+    pub stop_tokens: Vec<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: None,
+            seed: 299_792_458,
+            max_tokens: 128,
+            stop_tokens: Vec::new(),
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of `max_tokens` tokens with no stop token.
+    pub fn greedy(max_tokens: usize) -> Self {
+        Self {
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    /// Checks the ranges of the parameters.
+    pub fn validate(&self) -> Result<()> {
+        if !self.temperature.is_finite() {
+            bail!(
+                "sampling: temperature must be finite, got {}",
+                self.temperature
+            );
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                bail!("sampling: top_p must be in (0, 1], got {p}");
+            }
+        }
+        if self.max_tokens == 0 {
+            bail!("sampling: max_tokens must be at least 1, got 0");
+        }
+        Ok(())
+    }
+}
+
+/// The sampler of one sequence (candle-transformers' `LogitsProcessor`).
+pub struct Sampler {
+    inner: LogitsProcessor,
+}
+
+impl Sampler {
+    /// A sampler for `params` (greedy when the temperature is `<= 0`).
+    pub fn new(params: &SamplingParams) -> Self {
+        let temperature = (params.temperature > 0.0).then_some(params.temperature);
+        Self {
+            inner: LogitsProcessor::new(params.seed, temperature, params.top_p),
+        }
+    }
+
+    /// Picks a token from `logits` `(vocab,)`.
+    pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {
+        self.inner.sample(logits)
+    }
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sampler")
+    }
+}

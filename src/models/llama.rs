@@ -1,0 +1,230 @@
+//! Paged Llama (Llama 2/3, SmolLM2, TinyLlama, ...) from safetensors.
+//!
+//! candle-transformers 0.11.1's `llama` with its concatenated KV cache and
+//! mask tensors replaced by [`Attention`] over a [`PagedKvCache`]: GQA, tied
+//! embeddings and Llama 3 rope scaling as candle-transformers supports them.
+//! The configuration types are candle-transformers' own.
+
+use std::f32::consts::PI;
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_nn::{Activation, Embedding, Linear, Module, RmsNorm, VarBuilder};
+
+pub use candle_transformers::models::llama::{
+    Config, Llama3RopeConfig, Llama3RopeType, LlamaConfig, LlamaEosToks,
+};
+
+use super::layers::GatedMlp;
+use super::rotary::{Rotary, RotaryEmbedding};
+use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
+use crate::attention::{Attention, AttentionOptions};
+use crate::metadata::AttentionMetadata;
+
+const OP: &str = "llama";
+
+/// Llama's inverse rotary frequencies (f32, as candle-transformers computes
+/// them), with Llama 3 rope scaling when the config asks for it.
+pub fn inv_freq(cfg: &Config) -> Vec<f32> {
+    let head_dim = cfg.hidden_size / cfg.num_attention_heads;
+    let base: Vec<f32> = (0..head_dim)
+        .step_by(2)
+        .map(|i| 1f32 / cfg.rope_theta.powf(i as f32 / head_dim as f32))
+        .collect();
+    let scaling = match &cfg.rope_scaling {
+        Some(s) if matches!(s.rope_type, Llama3RopeType::Llama3) => s,
+        _ => return base,
+    };
+    let low_wavelen = scaling.original_max_position_embeddings as f32 / scaling.low_freq_factor;
+    let high_wavelen = scaling.original_max_position_embeddings as f32 / scaling.high_freq_factor;
+    base.into_iter()
+        .map(|freq| {
+            let wavelen = 2. * PI / freq;
+            if wavelen < high_wavelen {
+                freq
+            } else if wavelen > low_wavelen {
+                freq / scaling.factor
+            } else {
+                let smooth = (scaling.original_max_position_embeddings as f32 / wavelen
+                    - scaling.low_freq_factor)
+                    / (scaling.high_freq_factor - scaling.low_freq_factor);
+                (1. - smooth) * freq / scaling.factor + smooth * freq
+            }
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+struct SelfAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    attn: Attention,
+}
+
+impl SelfAttention {
+    fn load(cfg: &Config, options: PagedOptions, vb: VarBuilder) -> Result<Self> {
+        let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let head_dim = cfg.hidden_size / heads;
+        let linear = |i, o, name| candle_nn::linear_no_bias(i, o, vb.pp(name));
+        let attn = Attention::new(
+            heads,
+            kv_heads,
+            head_dim,
+            1.0 / (head_dim as f32).sqrt(),
+            AttentionOptions {
+                block_size: options.block_size,
+                kv_cache_dtype: options.kv_cache_dtype,
+                ..Default::default()
+            },
+        )?;
+        Ok(Self {
+            q_proj: linear(cfg.hidden_size, heads * head_dim, "q_proj")?,
+            k_proj: linear(cfg.hidden_size, kv_heads * head_dim, "k_proj")?,
+            v_proj: linear(cfg.hidden_size, kv_heads * head_dim, "v_proj")?,
+            o_proj: linear(heads * head_dim, cfg.hidden_size, "o_proj")?,
+            attn,
+        })
+    }
+
+    /// `x` `(num_tokens, hidden)` -> `(num_tokens, hidden)`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        rotary: &Rotary,
+        cache: &crate::cache::LayerKvCache,
+        metadata: &AttentionMetadata,
+    ) -> Result<Tensor> {
+        let q = rotary.apply(&x.apply(&self.q_proj)?, self.attn.num_heads())?;
+        let k = rotary.apply(&x.apply(&self.k_proj)?, self.attn.num_kv_heads())?;
+        let v = x.apply(&self.v_proj)?;
+        self.attn
+            .forward(&q, &k, &v, cache, metadata)?
+            .apply(&self.o_proj)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: GatedMlp,
+}
+
+/// A paged Llama: embeddings, `num_hidden_layers` decoder layers, final
+/// norm and LM head (tied to the embeddings when the config says so).
+#[derive(Clone, Debug)]
+pub struct Llama {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: RotaryEmbedding,
+    vocab_size: usize,
+    device: Device,
+    dtype: DType,
+}
+
+impl Llama {
+    /// Loads the weights of a Hugging Face Llama checkpoint (`model.*`,
+    /// `lm_head`) from `vb`; the dtype and device are `vb`'s.
+    pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Self> {
+        if cfg.num_attention_heads == 0 || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads)
+        {
+            bail!(
+                "{OP}: hidden_size {} is not a multiple of num_attention_heads {}",
+                cfg.hidden_size,
+                cfg.num_attention_heads
+            );
+        }
+        let vb_m = vb.pp("model");
+        let embed_tokens =
+            candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb_m.pp("embed_tokens"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), None)
+        } else {
+            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        let norm = candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let vb_l = vb_m.pp(format!("layers.{i}"));
+            let rms = |name| candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb_l.pp(name));
+            layers.push(DecoderLayer {
+                input_layernorm: rms("input_layernorm")?,
+                self_attn: SelfAttention::load(cfg, options, vb_l.pp("self_attn"))?,
+                post_attention_layernorm: rms("post_attention_layernorm")?,
+                mlp: GatedMlp::new(
+                    cfg.hidden_size,
+                    cfg.intermediate_size,
+                    Activation::Silu,
+                    vb_l.pp("mlp"),
+                )?,
+            });
+        }
+        let rotary = RotaryEmbedding::new(
+            &inv_freq(cfg),
+            cfg.max_position_embeddings,
+            false,
+            vb.dtype(),
+            vb.device(),
+        )?;
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary,
+            vocab_size: cfg.vocab_size,
+            device: vb.device().clone(),
+            dtype: vb.dtype(),
+        })
+    }
+}
+
+impl PagedModel for Llama {
+    fn attention_layers(&self) -> Vec<&Attention> {
+        self.layers.iter().map(|l| &l.self_attn.attn).collect()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn forward(
+        &self,
+        input_ids: &Tensor,
+        metadata: &AttentionMetadata,
+        cache: &PagedKvCache,
+        rows: &[usize],
+    ) -> Result<Tensor> {
+        check_input(OP, input_ids, metadata)?;
+        check_cache(OP, cache, self.layers.len())?;
+        let rotary = self.rotary.at(metadata)?;
+        let mut x = self.embed_tokens.forward(input_ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = x.apply(&layer.input_layernorm)?;
+            let h = layer
+                .self_attn
+                .forward(&h, &rotary, cache.layer(i), metadata)?;
+            x = (x + h)?;
+            let h = x
+                .apply(&layer.post_attention_layernorm)?
+                .apply(&layer.mlp)?;
+            x = (x + h)?;
+        }
+        select_rows(OP, &x, rows)?
+            .apply(&self.norm)?
+            .apply(&self.lm_head)?
+            .to_dtype(DType::F32)
+    }
+}

@@ -1,0 +1,299 @@
+//! Paged Llama from a GGUF file, with quantized weights (`QMatMul`).
+//!
+//! candle-transformers 0.11.1's `quantized_llama` (dense, `llama`
+//! architecture) with the paged cache. GGUF Llama checkpoints store q and k
+//! permuted for interleaved rotary embeddings, so the rotation pairs
+//! `(2i, 2i + 1)` as candle-transformers does for this architecture.
+
+use std::io::{Read, Seek};
+
+use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_nn::{Embedding, Module, RmsNorm};
+
+use super::rotary::{Rotary, RotaryEmbedding};
+use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
+use crate::attention::{Attention, AttentionOptions};
+use crate::cache::LayerKvCache;
+use crate::metadata::AttentionMetadata;
+
+const OP: &str = "quantized-llama";
+
+/// Rotary table length, as in candle-transformers' `quantized_llama`.
+pub const MAX_SEQ_LEN: usize = 4096;
+
+/// The hyper-parameters read from the GGUF metadata (`llama.*` keys).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GgufLlamaParams {
+    /// Decoder layers (`llama.block_count`).
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Model width (`llama.embedding_length`).
+    pub hidden_size: usize,
+    /// Rotary dimensions (`llama.rope.dimension_count`).
+    pub rope_dim: usize,
+    /// Rotary base (`llama.rope.freq_base`, default 10000).
+    pub rope_freq_base: f32,
+    /// RMS norm epsilon.
+    pub rms_norm_eps: f64,
+    /// Context length the model was trained for (`llama.context_length`), if given.
+    pub context_length: Option<usize>,
+}
+
+impl GgufLlamaParams {
+    /// Reads the parameters; fails naming the missing key or a
+    /// non-`llama` architecture.
+    pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self> {
+        let get = |key: &str| match ct.metadata.get(key) {
+            Some(v) => Ok(v),
+            None => bail!("{OP}: GGUF metadata has no {key}"),
+        };
+        let arch = get("general.architecture")?.to_string()?;
+        if arch != "llama" {
+            bail!("{OP}: GGUF architecture must be llama, got {arch}");
+        }
+        let experts = get("llama.expert_count")
+            .and_then(|v| v.to_u32())
+            .unwrap_or(0);
+        if experts > 1 {
+            bail!("{OP}: mixture-of-experts GGUF models are not supported ({experts} experts)");
+        }
+        let num_heads = get("llama.attention.head_count")?.to_u32()? as usize;
+        let hidden_size = get("llama.embedding_length")?.to_u32()? as usize;
+        if num_heads == 0 || !hidden_size.is_multiple_of(num_heads) {
+            bail!(
+                "{OP}: embedding_length {hidden_size} is not a multiple of head_count {num_heads}"
+            );
+        }
+        Ok(Self {
+            num_layers: get("llama.block_count")?.to_u32()? as usize,
+            num_heads,
+            num_kv_heads: get("llama.attention.head_count_kv")?.to_u32()? as usize,
+            hidden_size,
+            rope_dim: get("llama.rope.dimension_count")?.to_u32()? as usize,
+            rope_freq_base: get("llama.rope.freq_base")
+                .and_then(|v| v.to_f32())
+                .unwrap_or(10000.),
+            rms_norm_eps: get("llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64,
+            context_length: get("llama.context_length")
+                .and_then(|v| v.to_u32())
+                .ok()
+                .map(|v| v as usize),
+        })
+    }
+
+    /// Elements per head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Layer {
+    attn_norm: RmsNorm,
+    wq: QMatMul,
+    wk: QMatMul,
+    wv: QMatMul,
+    wo: QMatMul,
+    attn: Attention,
+    ffn_norm: RmsNorm,
+    w_gate: QMatMul,
+    w_up: QMatMul,
+    w_down: QMatMul,
+}
+
+impl Layer {
+    fn attention(
+        &self,
+        x: &Tensor,
+        rotary: &Rotary,
+        cache: &LayerKvCache,
+        metadata: &AttentionMetadata,
+    ) -> Result<Tensor> {
+        let q = rotary.apply(&self.wq.forward(x)?, self.attn.num_heads())?;
+        let k = rotary.apply(&self.wk.forward(x)?, self.attn.num_kv_heads())?;
+        let v = self.wv.forward(x)?;
+        let y = self.attn.forward(&q, &k, &v, cache, metadata)?;
+        self.wo.forward(&y)
+    }
+
+    fn mlp(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = candle_nn::ops::silu(&self.w_gate.forward(x)?)?;
+        self.w_down.forward(&(gate * self.w_up.forward(x)?)?)
+    }
+}
+
+/// A paged Llama with GGUF (quantized) weights; activations are f32.
+#[derive(Clone, Debug)]
+pub struct QuantizedLlama {
+    tok_embeddings: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    output: QMatMul,
+    rotary: RotaryEmbedding,
+    params: GgufLlamaParams,
+    vocab_size: usize,
+    device: Device,
+}
+
+impl QuantizedLlama {
+    /// Loads the model from GGUF content `ct` read from `reader`.
+    ///
+    /// Tensors: `token_embd`, `output_norm`, `output` (the embeddings when
+    /// absent), and per layer `blk.{i}.{attn_q, attn_k, attn_v, attn_output,
+    /// attn_norm, ffn_gate, ffn_up, ffn_down, ffn_norm}`.
+    pub fn from_gguf<R: Read + Seek>(
+        ct: &gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+        options: PagedOptions,
+    ) -> Result<Self> {
+        Self::load(ct, reader, device, options, false)
+    }
+
+    /// Like [`from_gguf`](Self::from_gguf), with every weight dequantized to
+    /// f32 at load time: dense matmuls instead of quantized dot products
+    /// (faster on CPU for formats without SIMD kernels, such as Q4_1, and
+    /// batches share each weight read), at four bytes per weight.
+    pub fn from_gguf_dequantized<R: Read + Seek>(
+        ct: &gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+        options: PagedOptions,
+    ) -> Result<Self> {
+        Self::load(ct, reader, device, options, true)
+    }
+
+    fn load<R: Read + Seek>(
+        ct: &gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+        options: PagedOptions,
+        dequantize: bool,
+    ) -> Result<Self> {
+        let matmul = |t: QTensor| -> Result<QMatMul> {
+            if dequantize {
+                Ok(QMatMul::Tensor(t.dequantize(device)?))
+            } else {
+                QMatMul::from_qtensor(t)
+            }
+        };
+        let p = GgufLlamaParams::from_gguf(ct)?;
+        let head_dim = p.head_dim();
+        let norm = |name: &str, r: &mut R| -> Result<RmsNorm> {
+            let w = ct.tensor(r, name, device)?.dequantize(device)?;
+            Ok(RmsNorm::new(w, p.rms_norm_eps))
+        };
+        let embd_q = ct.tensor(reader, "token_embd.weight", device)?;
+        let embd = embd_q.dequantize(device)?;
+        let vocab_size = embd.dim(0)?;
+        let output = match ct.tensor(reader, "output.weight", device) {
+            Ok(t) => t,
+            Err(_) => embd_q,
+        };
+        let mut layers = Vec::with_capacity(p.num_layers);
+        for i in 0..p.num_layers {
+            let mut q = |name: &str| -> Result<QMatMul> {
+                matmul(ct.tensor(reader, &format!("blk.{i}.{name}.weight"), device)?)
+            };
+            let (wq, wk, wv, wo) = (q("attn_q")?, q("attn_k")?, q("attn_v")?, q("attn_output")?);
+            let (w_gate, w_up, w_down) = (q("ffn_gate")?, q("ffn_up")?, q("ffn_down")?);
+            let attn = Attention::new(
+                p.num_heads,
+                p.num_kv_heads,
+                head_dim,
+                1.0 / (head_dim as f32).sqrt(),
+                AttentionOptions {
+                    block_size: options.block_size,
+                    kv_cache_dtype: options.kv_cache_dtype,
+                    ..Default::default()
+                },
+            )?;
+            layers.push(Layer {
+                attn_norm: norm(&format!("blk.{i}.attn_norm.weight"), reader)?,
+                wq,
+                wk,
+                wv,
+                wo,
+                attn,
+                ffn_norm: norm(&format!("blk.{i}.ffn_norm.weight"), reader)?,
+                w_gate,
+                w_up,
+                w_down,
+            });
+        }
+        let inv_freq: Vec<f32> = (0..p.rope_dim)
+            .step_by(2)
+            .map(|i| 1f32 / p.rope_freq_base.powf(i as f32 / p.rope_dim as f32))
+            .collect();
+        if p.rope_dim != head_dim {
+            bail!(
+                "{OP}: partial rotary embeddings are not supported (rope dim {} vs head dim {head_dim})",
+                p.rope_dim
+            );
+        }
+        let rotary = RotaryEmbedding::new(&inv_freq, MAX_SEQ_LEN, true, DType::F32, device)?;
+        Ok(Self {
+            tok_embeddings: Embedding::new(embd, p.hidden_size),
+            layers,
+            norm: norm("output_norm.weight", reader)?,
+            output: matmul(output)?,
+            rotary,
+            params: p,
+            vocab_size,
+            device: device.clone(),
+        })
+    }
+
+    /// The hyper-parameters read from the file.
+    pub fn params(&self) -> &GgufLlamaParams {
+        &self.params
+    }
+}
+
+impl PagedModel for QuantizedLlama {
+    fn attention_layers(&self) -> Vec<&Attention> {
+        self.layers.iter().map(|l| &l.attn).collect()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn forward(
+        &self,
+        input_ids: &Tensor,
+        metadata: &AttentionMetadata,
+        cache: &PagedKvCache,
+        rows: &[usize],
+    ) -> Result<Tensor> {
+        check_input(OP, input_ids, metadata)?;
+        check_cache(OP, cache, self.layers.len())?;
+        let rotary = self.rotary.at(metadata)?;
+        let mut x = self.tok_embeddings.forward(input_ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = layer.attention(
+                &x.apply(&layer.attn_norm)?,
+                &rotary,
+                cache.layer(i),
+                metadata,
+            )?;
+            x = (x + h)?;
+            let h = layer.mlp(&x.apply(&layer.ffn_norm)?)?;
+            x = (x + h)?;
+        }
+        let x = select_rows(OP, &x, rows)?.apply(&self.norm)?;
+        self.output.forward(&x)?.to_dtype(DType::F32)
+    }
+}

@@ -1,0 +1,225 @@
+//! Tokenizers for the models: a byte-level BPE built from GGUF metadata,
+//! ChatML prompts (SmolLM2-Instruct's chat template) and incremental
+//! detokenisation for streaming.
+
+use candle_core::quantized::gguf_file;
+use candle_core::{bail, Error, Result};
+use serde_json::{json, Value};
+use tokenizers::Tokenizer;
+
+const OP: &str = "tokenizer";
+
+/// SmolLM2-Instruct's default system prompt, inserted by its chat template
+/// when the conversation does not start with a system message.
+pub const SMOLLM2_SYSTEM_PROMPT: &str =
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+
+/// Builds the tokenizer described by GGUF metadata: `tokenizer.ggml.model`
+/// `gpt2` (byte-level BPE: `tokens`, `merges`, control tokens from
+/// `token_type` as special tokens). The pre-tokenizer follows
+/// `tokenizer.ggml.pre`: `smollm`/`starcoder` split digits one by one before
+/// the GPT-2 regex; other values use the GPT-2 regex alone.
+pub fn tokenizer_from_gguf(ct: &gguf_file::Content) -> Result<Tokenizer> {
+    let md = |key: &str| match ct.metadata.get(key) {
+        Some(v) => Ok(v),
+        None => bail!("{OP}: GGUF metadata has no {key}"),
+    };
+    let model = md("tokenizer.ggml.model")?.to_string()?;
+    if model != "gpt2" {
+        bail!("{OP}: only byte-level BPE (tokenizer.ggml.model = gpt2) GGUF tokenizers are supported, got {model}; pass a tokenizer.json instead");
+    }
+    let tokens = md("tokenizer.ggml.tokens")?
+        .to_vec()?
+        .iter()
+        .map(|v| v.to_string().cloned())
+        .collect::<Result<Vec<String>>>()?;
+    let merges = md("tokenizer.ggml.merges")?
+        .to_vec()?
+        .iter()
+        .map(|v| {
+            let m = v.to_string()?;
+            match m.split_once(' ') {
+                Some((a, b)) => Ok(json!([a, b])),
+                None => bail!("{OP}: merge {m:?} is not two space-separated tokens"),
+            }
+        })
+        .collect::<Result<Vec<Value>>>()?;
+    let types: Vec<i32> = match ct.metadata.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()?
+            .iter()
+            .map(|t| t.to_i32())
+            .collect::<Result<_>>()?,
+        None => vec![1; tokens.len()],
+    };
+    let pre = ct
+        .metadata
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.to_string().ok())
+        .map(String::as_str)
+        .unwrap_or("gpt2");
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    let mut added = Vec::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        vocab.insert(tok.clone(), json!(id));
+        // 3: control, 4: user-defined tokens: matched whole, never split.
+        if matches!(types.get(id), Some(3) | Some(4)) {
+            added.push(json!({
+                "id": id, "content": tok, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": types[id] == 3,
+            }));
+        }
+    }
+    let byte_level = json!({
+        "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true
+    });
+    let pre_tokenizer = if matches!(pre, "smollm" | "starcoder" | "refact") {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true}, byte_level
+        ]})
+    } else {
+        byte_level
+    };
+    let spec = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges,
+        },
+    });
+    spec.to_string().parse::<Tokenizer>().map_err(|e| {
+        Error::msg(format!(
+            "{OP}: building the BPE tokenizer from GGUF metadata: {e}"
+        ))
+    })
+}
+
+/// The end-of-sequence token id of a GGUF file (`tokenizer.ggml.eos_token_id`).
+pub fn gguf_eos_token(ct: &gguf_file::Content) -> Option<u32> {
+    ct.metadata
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(|v| v.to_u32().ok())
+}
+
+/// The id of `token` in `tokenizer`'s vocabulary (special tokens included).
+pub fn token_id(tokenizer: &Tokenizer, token: &str) -> Option<u32> {
+    tokenizer.token_to_id(token)
+}
+
+/// Encodes `text` without adding special tokens; the text may contain
+/// special tokens such as `<|im_start|>`, which map to their ids.
+pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let enc = tokenizer
+        .encode(text, false)
+        .map_err(|e| Error::msg(format!("{OP}: encoding {} chars: {e}", text.len())))?;
+    Ok(enc.get_ids().to_vec())
+}
+
+/// Decodes `ids`, dropping special tokens.
+pub fn decode(tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
+    tokenizer
+        .decode(ids, true)
+        .map_err(|e| Error::msg(format!("{OP}: decoding {} tokens: {e}", ids.len())))
+}
+
+/// One message of a conversation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message from `role`.
+    pub fn new(role: &str, content: &str) -> Self {
+        Self {
+            role: role.to_string(),
+            content: content.to_string(),
+        }
+    }
+}
+
+/// Formats a conversation as ChatML:
+/// `<|im_start|>{role}\n{content}<|im_end|>\n` per message, with
+/// `default_system` first when the first message is not a system message,
+/// and `<|im_start|>assistant\n` at the end when `add_generation_prompt`.
+/// With `default_system = Some(SMOLLM2_SYSTEM_PROMPT)` this is
+/// SmolLM2-Instruct's chat template.
+pub fn chatml_prompt(
+    messages: &[ChatMessage],
+    default_system: Option<&str>,
+    add_generation_prompt: bool,
+) -> String {
+    let mut out = String::new();
+    let starts_with_system = messages.first().is_some_and(|m| m.role == "system");
+    if let (false, Some(system)) = (starts_with_system, default_system) {
+        out.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
+    }
+    for m in messages {
+        out.push_str(&format!(
+            "<|im_start|>{}\n{}<|im_end|>\n",
+            m.role, m.content
+        ));
+    }
+    if add_generation_prompt {
+        out.push_str("<|im_start|>assistant\n");
+    }
+    out
+}
+
+/// SmolLM2-Instruct's prompt for one user message.
+pub fn smollm2_chat_prompt(user: &str) -> String {
+    chatml_prompt(
+        &[ChatMessage::new("user", user)],
+        Some(SMOLLM2_SYSTEM_PROMPT),
+        true,
+    )
+}
+
+/// Incremental detokenisation: feeds tokens one by one and yields the text
+/// that became final (byte-level BPE tokens may end inside a UTF-8 character).
+#[derive(Debug, Default)]
+pub struct TextStream {
+    tokens: Vec<u32>,
+    emitted: usize,
+}
+
+impl TextStream {
+    /// An empty stream.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `token` and returns the new text, if any is complete.
+    pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<Option<String>> {
+        self.tokens.push(token);
+        let text = decode(tokenizer, &self.tokens)?;
+        if text.ends_with('\u{fffd}') {
+            return Ok(None);
+        }
+        match text.get(self.emitted..) {
+            Some(new) if !new.is_empty() => {
+                let new = new.to_string();
+                self.emitted = text.len();
+                Ok(Some(new))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The text of all tokens so far.
+    pub fn text(&self, tokenizer: &Tokenizer) -> Result<String> {
+        decode(tokenizer, &self.tokens)
+    }
+}
