@@ -530,6 +530,37 @@ fn engine_preempts_when_blocks_run_out() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn engine_rejects_what_cannot_run() -> Result<()> {
+    let (llama, _, _) = llama_pair(false)?;
+    let cache = PagedKvCache::new(
+        &llama.attention_layers(),
+        CacheConfig::new(2),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let mut engine = Engine::new(&llama, cache, SchedulerConfig::default())?;
+    let bad = Request {
+        id: 1,
+        prompt: vec![1, 2],
+        params: SamplingParams {
+            top_p: Some(1.5),
+            ..SamplingParams::greedy(4)
+        },
+    };
+    let err = engine.add_request(bad).unwrap_err().to_string();
+    assert!(err.contains("top_p must be in (0, 1], got 1.5"), "{err}");
+    // 20 prompt tokens need 5 blocks of 4; the cache has 2.
+    engine.add_request(Request {
+        id: 2,
+        prompt: (0..20).collect(),
+        params: SamplingParams::greedy(4),
+    })?;
+    let err = engine.step().unwrap_err().to_string();
+    assert!(err.contains("request 2 cannot be scheduled"), "{err}");
+    Ok(())
+}
+
 // ---------------------------------------------------------------- SmolLM2
 
 fn smollm2_path() -> Result<PathBuf> {

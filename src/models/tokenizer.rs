@@ -223,3 +223,101 @@ impl TextStream {
         decode(tokenizer, &self.tokens)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use candle_core::quantized::gguf_file::{Content, Value, VersionedMagic};
+
+    use super::*;
+
+    fn strings(items: &[&str]) -> Value {
+        Value::Array(items.iter().map(|s| Value::String(s.to_string())).collect())
+    }
+
+    /// A GGUF header with a five-token byte-level BPE vocabulary.
+    fn tiny_gguf() -> Content {
+        let metadata = HashMap::from([
+            (
+                "tokenizer.ggml.model".to_string(),
+                Value::String("gpt2".into()),
+            ),
+            (
+                "tokenizer.ggml.pre".to_string(),
+                Value::String("smollm".into()),
+            ),
+            (
+                "tokenizer.ggml.tokens".to_string(),
+                strings(&["<|im_start|>", "a", "b", "ab", "Ġ", "Ġab", "1", "2"]),
+            ),
+            (
+                "tokenizer.ggml.merges".to_string(),
+                strings(&["a b", "Ġ ab"]),
+            ),
+            (
+                "tokenizer.ggml.token_type".to_string(),
+                Value::Array([3, 1, 1, 1, 1, 1, 1, 1].map(Value::I32).to_vec()),
+            ),
+            ("tokenizer.ggml.eos_token_id".to_string(), Value::U32(0)),
+        ]);
+        Content {
+            magic: VersionedMagic::GgufV3,
+            metadata,
+            tensor_infos: HashMap::new(),
+            tensor_data_offset: 0,
+        }
+    }
+
+    #[test]
+    fn gguf_bpe_merges_and_special_tokens() {
+        let ct = tiny_gguf();
+        let tok = tokenizer_from_gguf(&ct).unwrap();
+        assert_eq!(encode(&tok, "<|im_start|>ab ab").unwrap(), [0, 3, 5]);
+        // SmolLM's pre-tokenizer splits digits one by one.
+        assert_eq!(encode(&tok, "12").unwrap(), [6, 7]);
+        assert_eq!(decode(&tok, &[0, 3, 5]).unwrap(), "ab ab");
+        assert_eq!(gguf_eos_token(&ct), Some(0));
+    }
+
+    #[test]
+    fn rejects_sentencepiece_gguf() {
+        let mut ct = tiny_gguf();
+        ct.metadata.insert(
+            "tokenizer.ggml.model".to_string(),
+            Value::String("llama".into()),
+        );
+        let err = tokenizer_from_gguf(&ct).unwrap_err().to_string();
+        assert!(err.contains("got llama"), "{err}");
+    }
+
+    #[test]
+    fn smollm2_template_is_chatml_with_default_system() {
+        assert_eq!(
+            smollm2_chat_prompt("Hi"),
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+             <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let own_system = chatml_prompt(
+            &[
+                ChatMessage::new("system", "S"),
+                ChatMessage::new("user", "U"),
+            ],
+            Some(SMOLLM2_SYSTEM_PROMPT),
+            false,
+        );
+        assert_eq!(
+            own_system,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn text_stream_emits_complete_text() {
+        let tok = tokenizer_from_gguf(&tiny_gguf()).unwrap();
+        let mut stream = TextStream::new();
+        assert_eq!(stream.push(&tok, 3).unwrap().as_deref(), Some("ab"));
+        assert_eq!(stream.push(&tok, 5).unwrap().as_deref(), Some(" ab"));
+        assert_eq!(stream.text(&tok).unwrap(), "ab ab");
+    }
+}
