@@ -71,6 +71,13 @@ struct Args {
     /// KV cache budget in MiB, over all layers.
     #[arg(long, default_value_t = 256)]
     kv_memory_mb: usize,
+    /// Give sliding-window layers (Gemma) their own caches of N blocks,
+    /// recycling blocks that fell out of the window.
+    #[arg(long)]
+    window_blocks: Option<usize>,
+    /// Share cached prompt blocks between sequences with a common prefix.
+    #[arg(long)]
+    prefix_caching: bool,
     /// Tokens per cache block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -303,7 +310,12 @@ fn main() -> Result<()> {
             model.dtype(),
         )?,
     };
-    let cache = PagedKvCache::new(&layers, CacheConfig::new(num_blocks), model.dtype(), &dev)?;
+    let cache_config = CacheConfig {
+        num_blocks,
+        window_blocks: args.window_blocks,
+        prefix_caching: args.prefix_caching,
+    };
+    let cache = PagedKvCache::new(&layers, cache_config, model.dtype(), &dev)?;
     eprintln!(
         "model {} loaded in {:.2?} on {:?}; KV cache: {} layers x {num_blocks} blocks of {} tokens = {:.1} MiB",
         loaded.name,
