@@ -444,6 +444,86 @@ fn gemma3_logits_match_candle_transformers() -> Result<()> {
     Ok(())
 }
 
+// ------------------------------------------------------ bf16 from disk
+
+/// Llama and Gemma 3 in bf16, both models loaded from safetensors files
+/// written from the random weights (bf16 itself moves the logits ~3% from
+/// f32). Llama's logits match candle-transformers' to bf16 rounding. Its
+/// Gemma 3 computes rotary angles from bf16 inverse frequencies and the
+/// attention in bf16, where ours uses f32 tables and f32 accumulation, so the
+/// tolerance there is that of bf16 drift.
+#[test]
+fn bf16_models_from_safetensors_match_candle_transformers() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("cpa-models-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let opts = PagedOptions {
+        block_size: BLOCK_SIZE,
+        ..Default::default()
+    };
+    let dev = Device::Cpu;
+    let save = |varmap: &VarMap, name: &str| -> Result<VarBuilder<'static>> {
+        let file = dir.join(name);
+        varmap.save(&file)?;
+        // SAFETY: the file is written here and not modified while mapped.
+        Ok(unsafe { VarBuilder::from_mmaped_safetensors(&[&file], DType::BF16, &dev)? })
+    };
+
+    let cfg = llama_config(false);
+    let varmap = VarMap::new();
+    ct::llama::Llama::load(VarBuilder::from_varmap(&varmap, DType::F32, &dev), &cfg)?;
+    randomize(&varmap, 7, 0.15, 1.0)?;
+    let vb = save(&varmap, "llama.safetensors")?;
+    let ours = llama::Llama::load(vb.clone(), &cfg, opts)?;
+    let reference = ct::llama::Llama::load(vb, &cfg)?;
+    let c = case(31, &[12, 5], cfg.vocab_size);
+    let got = paged_logits(&ours, &c.prompts, &c.decodes, 8, CacheConfig::new(32))?;
+    compare(
+        "llama bf16",
+        &got,
+        |i| {
+            let mut cache = ct::llama::Cache::new(true, DType::BF16, &cfg, &dev)?;
+            let p = &c.prompts[i];
+            let x = Tensor::new(p.as_slice(), &dev)?.unsqueeze(0)?;
+            let mut out = vec![reference.forward(&x, 0, &mut cache)?.i(0)?];
+            for (s, &t) in c.decodes[i].iter().enumerate() {
+                let x = Tensor::new(&[[t]], &dev)?;
+                out.push(reference.forward(&x, p.len() + s, &mut cache)?.i(0)?);
+            }
+            Ok(out)
+        },
+        1e-2,
+    )?;
+
+    let json = gemma3_json(8);
+    let varmap = VarMap::new();
+    let f32_vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    ct::gemma3::Model::new(false, &serde_json::from_str(&json)?, f32_vb)?;
+    randomize(&varmap, 9, 0.15, 0.0)?;
+    let vb = save(&varmap, "gemma3.safetensors")?;
+    let ours = gemma3::Gemma3::load(vb.clone(), &serde_json::from_str(&json)?, opts)?;
+    let mut reference = ct::gemma3::Model::new(false, &serde_json::from_str(&json)?, vb)?;
+    let c = case(32, &[8, 4], 83);
+    let got = paged_logits(&ours, &c.prompts, &c.decodes, 8, CacheConfig::new(32))?;
+    compare(
+        "gemma3 bf16",
+        &got,
+        |i| {
+            reference.clear_kv_cache();
+            let p = &c.prompts[i];
+            let x = Tensor::new(p.as_slice(), &dev)?.unsqueeze(0)?;
+            let mut out = vec![reference.forward(&x, 0)?.flatten_all()?];
+            for (s, &t) in c.decodes[i].iter().enumerate() {
+                let x = Tensor::new(&[[t]], &dev)?;
+                out.push(reference.forward(&x, p.len() + s)?.flatten_all()?);
+            }
+            Ok(out)
+        },
+        5e-2,
+    )?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 // ------------------------------------------------- continuous batching
 
 /// Greedy tokens of each request alone, then all together.
