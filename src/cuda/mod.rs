@@ -1,0 +1,163 @@
+//! The CUDA backend: embedded PTX, kernel loading and launches.
+//!
+//! `kernels/*.cu` are compiled to PTX by build.rs; each file becomes one
+//! module loaded once per device through
+//! `CudaDevice::get_or_load_custom_func`. Launches go on candle's stream.
+//! This is the only place in the crate with raw kernel launches.
+
+pub(crate) mod paged_attention;
+pub(crate) mod reshape_and_cache;
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaStream, DevicePtr, SyncOnDrop};
+use candle_core::cuda_backend::{CudaStorageSlice, DeviceId, WrapErr};
+use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result, Storage, StorageRef};
+
+/// PTX of each kernel file (`UNIFIED_ATTENTION`, `RESHAPE_AND_CACHE`).
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+
+/// Module names under which the PTX is cached per device.
+const ATTENTION_MODULE: &str = "candle_paged_attention.unified_attention";
+const CACHE_MODULE: &str = "candle_paged_attention.reshape_and_cache";
+
+/// The CUDA storage behind a tensor's storage guard.
+fn cuda_storage<'a>(storage: &'a Storage, op: &str, name: &str) -> Result<&'a CudaStorage> {
+    match storage {
+        Storage::Cuda(s) => Ok(s),
+        other => bail!(
+            "{op}: {name} must be on a cuda device, got {:?}",
+            other.device().location()
+        ),
+    }
+}
+
+/// Raw device address of the first element of `layout` in `storage`, with the
+/// guard that records the read on `stream` when dropped (drop it after the
+/// launch that reads the address).
+fn device_address<'a>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+    stream: &'a CudaStream,
+) -> (u64, SyncOnDrop<'a>) {
+    let off = layout.start_offset();
+    macro_rules! addr {
+        ($s:expr, $t:ty) => {{
+            let (ptr, sync) = $s.device_ptr(stream);
+            (ptr + (off * std::mem::size_of::<$t>()) as u64, sync)
+        }};
+    }
+    match &storage.slice {
+        CudaStorageSlice::U8(s) => addr!(s, u8),
+        CudaStorageSlice::U32(s) => addr!(s, u32),
+        CudaStorageSlice::I16(s) => addr!(s, i16),
+        CudaStorageSlice::I32(s) => addr!(s, i32),
+        CudaStorageSlice::I64(s) => addr!(s, i64),
+        CudaStorageSlice::BF16(s) => addr!(s, half::bf16),
+        CudaStorageSlice::F16(s) => addr!(s, half::f16),
+        CudaStorageSlice::F32(s) => addr!(s, f32),
+        CudaStorageSlice::F64(s) => addr!(s, f64),
+        CudaStorageSlice::F8E4M3(s) => addr!(s, float8::F8E4M3),
+        CudaStorageSlice::F6E2M3(s)
+        | CudaStorageSlice::F6E3M2(s)
+        | CudaStorageSlice::F4(s)
+        | CudaStorageSlice::F8E8M0(s) => addr!(s, u8),
+    }
+}
+
+/// Like [`device_address`] for an optional tensor's storage guard; `None`
+/// stands for a null pointer.
+fn optional_address<'a>(
+    guard: &'a Option<(StorageRef<'_>, &Layout)>,
+    op: &str,
+    name: &str,
+    stream: &'a CudaStream,
+) -> Result<Option<(u64, SyncOnDrop<'a>)>> {
+    match guard {
+        Some((storage, layout)) => Ok(Some(device_address(
+            cuda_storage(storage, op, name)?,
+            layout,
+            stream,
+        ))),
+        None => Ok(None),
+    }
+}
+
+/// The kernel `name` of `module` on `dev`, allowed `smem` bytes of dynamic
+/// shared memory; loaded (and its shared-memory limit raised) once per
+/// device, then served from a cache, so a forward does no module lookups.
+fn function(
+    dev: &CudaDevice,
+    name: &str,
+    module: &str,
+    ptx: &str,
+    smem: usize,
+) -> Result<CudaFunction> {
+    type Cache = HashMap<(DeviceId, String), CudaFunction>;
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (dev.id(), name.to_string());
+    if let Some(f) = cache
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("kernel cache lock poisoned".into()))?
+        .get(&key)
+    {
+        return Ok(f.clone());
+    }
+    let f = dev
+        .get_or_load_custom_func(name, module, ptx)?
+        .into_cuda_function();
+    if smem > 48 * 1024 {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+    }
+    cache
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("kernel cache lock poisoned".into()))?
+        .insert(key, f.clone());
+    Ok(f)
+}
+
+/// Number of multiprocessors of the device.
+fn sm_count(dev: &CudaDevice) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let n = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    Ok(n.max(1) as usize)
+}
+
+/// True when `CANDLE_PAGED_ATTENTION_POISON` is set: outputs are filled with
+/// NaN before the kernels run, so that an element the kernels fail to write
+/// shows up in tests.
+fn poison_outputs() -> bool {
+    std::env::var_os("CANDLE_PAGED_ATTENTION_POISON").is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Fills `bytes` bytes at `addr` with 0xff (NaN in f32, f16, bf16 and e4m3).
+fn fill_nan(addr: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: `addr..addr + bytes` lies inside an allocation of this stream's
+    // context that the caller owns; 0xff bytes are a valid (NaN) pattern for
+    // every float type the ops write.
+    unsafe {
+        candle_core::cuda_backend::cudarc::driver::result::memset_d8_async(
+            addr,
+            0xff,
+            bytes,
+            stream.cu_stream(),
+        )
+    }
+    .w()
+}

@@ -1,0 +1,513 @@
+//! Launch plumbing of `PagedAttention` on CUDA: kernel choice, tile shape,
+//! split-KV segment count, the reusable split-KV workspace, and the launches.
+//!
+//! f16/bf16 queries run the tensor-core kernel (`unified_attention_h{HEAD}_{kind}_{dtype}[_fp8]`),
+//! either writing the output directly (one segment) or writing split-KV
+//! partials into the workspace that `reduce_segments_{dtype}` merges. f32
+//! queries run `unified_attention_scalar_f32[_fp8]`. Everything is decided
+//! from the batch's host copies: a forward makes no device-to-host copy and,
+//! once the workspace is large enough, no allocation besides its output, so
+//! it can be captured in a CUDA graph.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
+
+use super::{
+    cuda_storage, device_address, fill_nan, function, optional_address, poison_outputs, ptx,
+    sm_count, ATTENTION_MODULE,
+};
+use crate::ops::paged_attention::{AttentionDims, KvSplit, PagedAttentionParams};
+
+const OP: &str = "paged-attention";
+
+/// Most split-KV segments per (sequence, KV head).
+pub(crate) const MAX_SEGMENTS: usize = 256;
+/// Padded head sizes with a compiled kernel instance.
+const HEAD_SIZES: [usize; 5] = [32, 64, 128, 256, 512];
+/// Threads of every attention program (4 warps).
+const THREADS: u32 = 128;
+
+/// The kernels' parameter block; mirrors `cpa::AttnParams` in
+/// kernels/attention_params.cuh field by field (8-byte fields first).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct AttnParams {
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    out: u64,
+    cu_seqlens_q: u64,
+    seq_lens: u64,
+    block_tables: u64,
+    prefix_ranges: u64,
+    alibi_slopes: u64,
+    sinks: u64,
+    qq_bias: u64,
+    ws_acc: u64,
+    ws_ml: u64,
+    block_stride: i64,
+    num_seqs: i32,
+    num_tokens: i32,
+    num_heads: i32,
+    num_kv_heads: i32,
+    head_size: i32,
+    block_size: i32,
+    block_table_width: i32,
+    max_ranges: i32,
+    qq_rows: i32,
+    qq_cols: i32,
+    sliding_window: i32,
+    num_segments: i32,
+    out_fp8: i32,
+    vec_loads: i32,
+    group_entries: i32,
+    head_chunks: i32,
+    scale: f32,
+    softcap: f32,
+    v_scale: f32,
+    out_inv_scale: f32,
+}
+
+const _: () = assert!(std::mem::size_of::<AttnParams>() == 192);
+
+// SAFETY: a `#[repr(C)]` block of integers and floats whose layout matches
+// the kernels' `AttnParams` (checked by the size assertion above); it is
+// passed by value as the only kernel parameter.
+unsafe impl DeviceRepr for AttnParams {}
+
+/// Program shape of the tensor-core kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// 16 packed rows, 4 warps splitting 64 keys per tile.
+    Decode,
+    /// 64 packed rows (4 warps x 16), 1 warp per key tile.
+    Prefill,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Decode => "decode",
+            Kind::Prefill => "prefill",
+        }
+    }
+    /// Packed rows per program.
+    fn rows(self) -> usize {
+        match self {
+            Kind::Decode => 16,
+            Kind::Prefill => 64,
+        }
+    }
+    /// (warps along rows, warps along keys, keys per warp per tile).
+    fn warps(self, head: usize) -> (usize, usize, usize) {
+        match self {
+            Kind::Decode => (1, 4, 16),
+            Kind::Prefill => (4, 1, if head <= 128 { 64 } else { 32 }),
+        }
+    }
+}
+
+/// Dynamic shared memory of one instance; mirrors `Smem` in
+/// kernels/unified_attention.cu.
+fn smem_bytes(kind: Kind, head: usize, fp8: bool) -> usize {
+    let (wm, wn, kw) = kind.warps(head);
+    let dv = head.min(256);
+    let (bm, bn) = (16 * wm, kw * wn);
+    let (qs, ks, vs, cs) = (head + 8, head + 8, dv + 8, dv + 8);
+    let q = bm * qs * 2;
+    let red = 2 * wn * bm * 4;
+    let offsets = 2 * bn * 8;
+    let tiles = if fp8 {
+        bn * ks * 2 + bn * vs * 2 + 2 * bn * head + 2 * bn * dv
+    } else {
+        2 * bn * ks * 2 + 2 * bn * vs * 2
+    };
+    let merge = wn * bm * cs * 4;
+    q + red + offsets + tiles.max(merge)
+}
+
+/// How one call is launched.
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    kind: Kind,
+    head: usize,
+    group_entries: usize,
+    head_chunks: usize,
+    grid_x: usize,
+    dv_chunks: usize,
+    segments: usize,
+}
+
+fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Result<Plan> {
+    let host = params.batch.host();
+    let Some(&head) = HEAD_SIZES.iter().find(|&&h| h >= dims.head_size) else {
+        bail!(
+            "{OP}: head_size {} exceeds the largest kernel (512)",
+            dims.head_size
+        );
+    };
+    let group = dims.group_size();
+    // Decode-shaped programs when every sequence's rows fit one 16-row program.
+    let kind = if host.max_seqlen_q * group.min(16) <= 16 {
+        Kind::Decode
+    } else {
+        Kind::Prefill
+    };
+    let group_entries = group.min(kind.rows());
+    let head_chunks = group.div_ceil(group_entries);
+    let block_q = kind.rows() / group_entries;
+    let grid_x = dims.num_tokens / block_q + host.num_seqs();
+    let dv_chunks = head / head.min(256);
+    let programs = grid_x * dims.num_kv_heads * head_chunks * dv_chunks;
+    let segments = match params.kv_split {
+        KvSplit::Never => 1,
+        KvSplit::Segments(n) => (n as usize).clamp(1, MAX_SEGMENTS),
+        KvSplit::Auto => {
+            if host.is_pure_decode() && programs < 3 * sms {
+                // About three resident programs per SM (what the decode
+                // tile's registers and shared memory allow for head sizes up
+                // to 128), with at least 128 keys per segment.
+                let want = (3 * sms).div_ceil(programs.max(1));
+                let by_len = host.max_seqlen_k.div_ceil(128);
+                want.min(by_len).clamp(1, 64)
+            } else {
+                1
+            }
+        }
+    };
+    Ok(Plan {
+        kind,
+        head,
+        group_entries,
+        head_chunks,
+        grid_x,
+        dv_chunks,
+        segments,
+    })
+}
+
+/// The split-KV workspace and SM count of one device, reused across calls.
+struct Workspace {
+    sms: usize,
+    buf: Option<CudaSlice<f32>>,
+}
+
+fn workspaces() -> &'static Mutex<HashMap<DeviceId, Workspace>> {
+    static W: OnceLock<Mutex<HashMap<DeviceId, Workspace>>> = OnceLock::new();
+    W.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The device address of an optional f32 tensor (0 when absent), made
+/// contiguous first.
+fn contiguous(t: &Option<Tensor>) -> Result<Option<Tensor>> {
+    t.as_ref().map(|t| t.contiguous()).transpose()
+}
+
+fn check_i32(name: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "{OP}: {name} = {v} does not fit the kernels' 32-bit indices"
+        ))
+    })
+}
+
+/// Runs the op on CUDA storage; `dims` comes from validation.
+pub(crate) fn forward(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    q: &CudaStorage,
+    q_layout: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = q.device().clone();
+    let host = params.batch.host();
+    let q_dtype = q.dtype();
+    let out_fp8 = params.output_scale.is_some();
+    let shape = Shape::from((dims.num_tokens, dims.num_heads, dims.head_size));
+    if q_layout.contiguous_offsets().is_none() {
+        bail!("{OP}: q must be contiguous");
+    }
+    let n_out = dims.num_tokens * dims.num_heads * dims.head_size;
+    // At least one element: a zero-byte allocation is not portable.
+    let n_alloc = n_out.max(1);
+
+    // Output, in the query dtype or fp8.
+    let out = match (out_fp8, q_dtype) {
+        (true, _) => alloc_output::<float8::F8E4M3>(&dev, n_alloc)?,
+        (false, DType::BF16) => alloc_output::<half::bf16>(&dev, n_alloc)?,
+        (false, DType::F16) => alloc_output::<half::f16>(&dev, n_alloc)?,
+        (false, DType::F32) => alloc_output::<f32>(&dev, n_alloc)?,
+        (false, dt) => bail!("{OP}: q must be f32, f16 or bf16, got {dt:?}"),
+    };
+    if n_out > 0 && host.num_seqs() > 0 {
+        launch(params, dims, q, q_layout, &out, n_out)?;
+    }
+    Ok((out, shape))
+}
+
+/// Enqueues the kernels of one forward on the query's stream, writing `out`.
+fn launch(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    q: &CudaStorage,
+    q_layout: &Layout,
+    out: &CudaStorage,
+    n_out: usize,
+) -> Result<()> {
+    let dev = q.device().clone();
+    let stream = dev.cuda_stream();
+    let host = params.batch.host();
+    let q_dtype = q.dtype();
+    let cache_fp8 = params.key_cache.dtype() == DType::F8E4M3;
+    let out_fp8 = params.output_scale.is_some();
+
+    // Device addresses; each `_sync` guard lives until after the launches.
+    let (kg, kl) = params.key_cache.storage_and_layout();
+    let (vg, vl) = params.value_cache.storage_and_layout();
+    let kcs = cuda_storage(&kg, OP, "key_cache")?;
+    let vcs = cuda_storage(&vg, OP, "value_cache")?;
+    let batch = &params.batch;
+    let (cug, cul) = batch.cu_seqlens_q().storage_and_layout();
+    let (slg, sll) = batch.seq_lens().storage_and_layout();
+    let (btg, btl) = batch.block_tables().storage_and_layout();
+    let cucs = cuda_storage(&cug, OP, "cu_seqlens_q")?;
+    let slcs = cuda_storage(&slg, OP, "seq_lens")?;
+    let btcs = cuda_storage(&btg, OP, "block_tables")?;
+    let ranges_t = batch.prefix_ranges().map(|t| t.contiguous()).transpose()?;
+    let alibi_t = contiguous(&params.alibi_slopes)?;
+    let sinks_t = contiguous(&params.sinks)?;
+    let qq_t = contiguous(&params.qq_bias)?;
+    let ranges_g = ranges_t.as_ref().map(|t| t.storage_and_layout());
+    let alibi_g = alibi_t.as_ref().map(|t| t.storage_and_layout());
+    let sinks_g = sinks_t.as_ref().map(|t| t.storage_and_layout());
+    let qq_g = qq_t.as_ref().map(|t| t.storage_and_layout());
+
+    let (q_addr, _q_sync) = device_address(q, q_layout, &stream);
+    let (k_addr, _k_sync) = device_address(kcs, kl, &stream);
+    let (v_addr, _v_sync) = device_address(vcs, vl, &stream);
+    let (out_addr, _out_sync) = device_address(out, &Layout::contiguous((n_out,)), &stream);
+    let (cu_addr, _cu_sync) = device_address(cucs, cul, &stream);
+    let (sl_addr, _sl_sync) = device_address(slcs, sll, &stream);
+    let (bt_addr, _bt_sync) = device_address(btcs, btl, &stream);
+    let ranges_a = optional_address(&ranges_g, OP, "prefix_ranges", &stream)?;
+    let alibi_a = optional_address(&alibi_g, OP, "alibi_slopes", &stream)?;
+    let sinks_a = optional_address(&sinks_g, OP, "sinks", &stream)?;
+    let qq_a = optional_address(&qq_g, OP, "qq_bias", &stream)?;
+
+    let kv_scales = if cache_fp8 {
+        params.kv_scales
+    } else {
+        crate::ops::KvScales::default()
+    };
+    let out_bytes = n_out * if out_fp8 { 1 } else { q_dtype.size_in_bytes() };
+    if poison_outputs() {
+        fill_nan(out_addr, out_bytes, &stream)?;
+    }
+    let hs = dims.head_size;
+    let vec_loads = hs.is_multiple_of(8)
+        && (!cache_fp8 || hs.is_multiple_of(16))
+        && [q_addr, k_addr, v_addr]
+            .iter()
+            .all(|a| a.is_multiple_of(16));
+    let (qq_rows, qq_cols) = match &qq_t {
+        Some(t) => (t.dims()[0], t.dims()[1]),
+        None => (0, 0),
+    };
+    let mut p = AttnParams {
+        q: q_addr,
+        k_cache: k_addr,
+        v_cache: v_addr,
+        out: out_addr,
+        cu_seqlens_q: cu_addr,
+        seq_lens: sl_addr,
+        block_tables: bt_addr,
+        prefix_ranges: ranges_a.as_ref().map_or(0, |a| a.0),
+        alibi_slopes: alibi_a.as_ref().map_or(0, |a| a.0),
+        sinks: sinks_a.as_ref().map_or(0, |a| a.0),
+        qq_bias: qq_a.as_ref().map_or(0, |a| a.0),
+        ws_acc: 0,
+        ws_ml: 0,
+        block_stride: (dims.block_size * dims.num_kv_heads * hs) as i64,
+        num_seqs: check_i32("num_seqs", host.num_seqs())?,
+        num_tokens: check_i32("num_tokens", dims.num_tokens)?,
+        num_heads: check_i32("num_heads", dims.num_heads)?,
+        num_kv_heads: check_i32("num_kv_heads", dims.num_kv_heads)?,
+        head_size: hs as i32,
+        block_size: check_i32("block_size", dims.block_size)?,
+        block_table_width: check_i32("block_table_width", host.block_table_width)?,
+        max_ranges: ranges_t
+            .as_ref()
+            .map_or(Ok(0), |t| check_i32("max_ranges", t.dims()[1]))?,
+        qq_rows: check_i32("qq_bias rows", qq_rows)?,
+        qq_cols: check_i32("qq_bias cols", qq_cols)?,
+        sliding_window: params.sliding_window.map_or(Ok(0), |w| {
+            check_i32("sliding_window", w.min(i32::MAX as usize))
+        })?,
+        num_segments: 1,
+        out_fp8: out_fp8 as i32,
+        vec_loads: vec_loads as i32,
+        group_entries: 1,
+        head_chunks: 1,
+        scale: params.scale * kv_scales.k_scale,
+        softcap: params.active_softcap().unwrap_or(0.0),
+        v_scale: kv_scales.v_scale,
+        out_inv_scale: params.output_scale.map_or(1.0, |s| 1.0 / s),
+    };
+    check_i32("max_seqlen_k", host.max_seqlen_k)?;
+
+    let cache_suffix = if cache_fp8 { "_fp8" } else { "" };
+    if q_dtype == DType::F32 {
+        // The f32 path: one warp per (query row, head).
+        let name = format!("unified_attention_scalar_f32{cache_suffix}");
+        let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (dims.num_tokens as u32, dims.num_heads.div_ceil(4) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        check_grid_yz(cfg.grid_dim)?;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&p);
+        // SAFETY: every address in `p` points into a live allocation of this
+        // device whose extent validation checked against the sizes in `p`;
+        // the guards keep them alive and ordered until after the launch.
+        unsafe { b.launch(cfg) }.w()?;
+        return Ok(());
+    }
+    let dtype_name = match q_dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        dt => bail!("{OP}: q must be f32, f16 or bf16, got {dt:?}"),
+    };
+
+    let mut spaces = workspaces()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg(format!("{OP}: workspace lock poisoned")))?;
+    let ws = match spaces.entry(dev.id()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(Workspace {
+            sms: sm_count(&dev)?,
+            buf: None,
+        }),
+    };
+    let plan = plan(params, dims, ws.sms)?;
+    p.group_entries = plan.group_entries as i32;
+    p.head_chunks = plan.head_chunks as i32;
+    p.num_segments = plan.segments as i32;
+
+    // Split-KV partials: [num_tokens, num_heads, segments, head_size] outputs
+    // and [.., 2] (max, sum) pairs, in one reusable buffer.
+    let partials = dims.num_tokens * dims.num_heads * plan.segments;
+    let ws_len = if plan.segments > 1 {
+        partials * (hs + 2)
+    } else {
+        0
+    };
+    if ws_len > 0 && ws.buf.as_ref().is_none_or(|b| b.len() < ws_len) {
+        ws.buf = None;
+        // SAFETY: the kernels write every partial they later read; the reduce
+        // reads only partials of programs that ran.
+        ws.buf = Some(unsafe { dev.alloc::<f32>(ws_len)? });
+    }
+    let ws_guard = match (&ws.buf, ws_len > 0) {
+        (Some(buf), true) => Some(buf.device_ptr(&stream)),
+        _ => None,
+    };
+    if let Some((base, _)) = &ws_guard {
+        p.ws_acc = *base;
+        p.ws_ml = *base + (partials * hs * 4) as u64;
+        if poison_outputs() {
+            fill_nan(*base, ws_len * 4, &stream)?;
+        }
+    }
+
+    let name = format!(
+        "unified_attention_h{}_{}_{dtype_name}{cache_suffix}",
+        plan.head,
+        plan.kind.name()
+    );
+    let smem = smem_bytes(plan.kind, plan.head, cache_fp8);
+    let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
+    let grid_x = u32::try_from(plan.grid_x)
+        .ok()
+        .filter(|&x| x < i32::MAX as u32)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{OP}: grid of {} programs is too large",
+                plan.grid_x
+            ))
+        })?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid_x,
+            (dims.num_kv_heads * plan.head_chunks) as u32,
+            (plan.segments * plan.dv_chunks) as u32,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    check_grid_yz(cfg.grid_dim)?;
+    let mut b = stream.launch_builder(&func);
+    b.arg(&p);
+    // SAFETY: every address in `p` points into a live allocation of this
+    // device sized for the dimensions in `p` (validated on the host; the
+    // workspace was grown to `ws_len` above); the guards keep them alive and
+    // ordered until after the launch; `smem` matches the kernel's layout.
+    unsafe { b.launch(cfg) }.w()?;
+
+    if plan.segments > 1 {
+        let name = format!("reduce_segments_{dtype_name}");
+        let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
+        let cfg = LaunchConfig {
+            grid_dim: (dims.num_tokens as u32, dims.num_heads as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        check_grid_yz(cfg.grid_dim)?;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&p);
+        // SAFETY: as above; the reduce reads the partials the attention
+        // launch just wrote on the same stream.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(ws_guard);
+    Ok(())
+}
+
+/// An uninitialised output buffer of `n` elements.
+fn alloc_output<T: CudaDType + DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
+    // SAFETY: the kernels write every element of the output before anything
+    // reads it (poisoning, when on, fills it with NaN first).
+    let slice = unsafe { dev.alloc::<T>(n)? };
+    Ok(CudaStorage::wrap_cuda_slice(slice, dev.clone()))
+}
+
+fn check_grid_yz((x, y, z): (u32, u32, u32)) -> Result<()> {
+    if x == 0 || x > i32::MAX as u32 || y > 65535 || z > 65535 {
+        bail!("{OP}: launch grid ({x}, {y}, {z}) is out of range");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_fits_hopper_and_ampere() {
+        for &head in &HEAD_SIZES {
+            for kind in [Kind::Decode, Kind::Prefill] {
+                for fp8 in [false, true] {
+                    let s = smem_bytes(kind, head, fp8);
+                    assert!(s <= 227 * 1024, "{kind:?} h{head} fp8={fp8}: {s} bytes");
+                }
+            }
+        }
+    }
+}
