@@ -785,8 +785,9 @@ fn smollm2_greedy_tokens_match_candle_transformers() -> Result<()> {
     for (i, e) in expected.iter().enumerate() {
         let same = e.iter().zip(&alone[i]).take_while(|(a, b)| a == b).count();
         println!(
-            "smollm2 (Q4_1) prompt {i}: {same} leading tokens equal candle-transformers'; ours: {:?}",
-            tokenizer::decode(&tok, &alone[i])?
+            "smollm2 (Q4_1) prompt {i}: {same} leading tokens equal candle-transformers'; ours: {:?}; candle-transformers: {:?}",
+            tokenizer::decode(&tok, &alone[i])?,
+            tokenizer::decode(&tok, e)?
         );
         assert_eq!(
             alone[i], batched[i],
