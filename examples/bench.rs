@@ -154,34 +154,59 @@ fn uint(c: &Value, name: &str) -> Result<usize> {
         .with_context(|| format!("field {name} is not an unsigned integer"))
 }
 
-/// The path the library picks for this case (mirrors the automatic split-KV
-/// rule of the CUDA backend).
+/// The path the library picks for this case: a copy of the automatic rule of
+/// `plan` in src/cuda/paged_attention.rs (tile shape, resident programs per
+/// SM, segments that fill whole waves), for the report only.
 fn path_label(
     seqs: &[(usize, usize)],
-    heads: usize,
-    kv_heads: usize,
-    head_size: usize,
+    (heads, kv_heads, head_size): (usize, usize, usize),
+    window: Option<usize>,
+    fp8: bool,
     sms: usize,
 ) -> String {
     let group = heads / kv_heads;
     let max_q = seqs.iter().map(|s| s.0).max().unwrap_or(0);
     let max_k = seqs.iter().map(|s| s.1).max().unwrap_or(0);
     let tokens: usize = seqs.iter().map(|s| s.0).sum();
-    let rows = if max_q * group.min(16) <= 16 { 16 } else { 64 };
+    let decode_kind = max_q * group.min(16) <= 16;
+    let rows = if decode_kind { 16 } else { 64 };
     let ge = group.min(rows);
-    let padded = head_size.next_power_of_two().max(32);
-    let dv_chunks = padded / padded.min(256);
-    let programs = (tokens / (rows / ge) + seqs.len()) * kv_heads * group.div_ceil(ge) * dv_chunks;
+    let head = head_size.next_power_of_two().max(32);
+    let dv = head.min(256);
+    let dv_chunks = head / dv;
+    // Shared memory of the instance (kernels/unified_attention.cu `Smem`).
+    let (wm, wn, kw) = if decode_kind {
+        (1, 4, 16)
+    } else {
+        (4, 1, if head <= 128 { 64 } else { 32 })
+    };
+    let (bm, bn) = (16 * wm, kw * wn);
+    let tiles = if fp8 {
+        bn * (head + 8) * 2 + bn * (dv + 8) * 2 + 2 * bn * head + 2 * bn * dv
+    } else {
+        4 * bn * (head + 8) + 4 * bn * (dv + 8)
+    };
+    let smem = bm * (head + 8) * 2 + 8 * wn * bm + 16 * bn + tiles.max(wn * bm * (dv + 8) * 4);
+    let by_regs = if decode_kind && head <= 128 { 3 } else { 2 };
+    let slots = ((228 * 1024) / (smem + 1024)).min(by_regs).max(1) * sms;
     let decode = max_q == 1 && tokens == seqs.len();
-    let segments = if decode && programs < sms {
-        (2 * sms)
-            .div_ceil(programs)
-            .min(max_k.div_ceil(128))
-            .clamp(1, 64)
+    let segments = if decode {
+        let active = seqs.len() * kv_heads * group.div_ceil(ge) * dv_chunks;
+        let keys = window.map_or(max_k, |w| w.min(max_k));
+        let max_s = keys.div_ceil(128).clamp(1, 64);
+        let waves = |s: usize| (active * s).div_ceil(slots) as f64 / s as f64;
+        let ideal = active as f64 / slots as f64;
+        (1..=max_s)
+            .find(|&s| waves(s) <= ideal * 1.03)
+            .unwrap_or_else(|| {
+                (1..=max_s)
+                    .min_by(|&a, &b| waves(a).total_cmp(&waves(b)))
+                    .unwrap_or(1)
+            })
     } else {
         1
     };
-    let kind = if rows == 16 { "decode" } else { "prefill" };
+    let kind = if decode_kind { "decode" } else { "prefill" };
     if segments > 1 {
         format!("split-kv({segments}, {kind})")
     } else {
@@ -297,7 +322,7 @@ fn run_case(
         "us_max": stats.max,
         "reps": stats.reps,
         "timing": "eager",
-        "path": path_label(&seqs, h, kvh, d, sms),
+        "path": path_label(&seqs, (h, kvh, d), window, fp8, sms),
     }))
 }
 

@@ -273,6 +273,7 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   // ---- per-thread rows (MMA fragment rows g and g + 8 of this warp) ----
   const int g = lane >> 2, c4 = lane & 3;
   const RowInfo rows[2] = {row_info(wm * 16 + g), row_info(wm * 16 + g + 8)};
+  const bool warp_rows = __any_sync(0xffffffffu, rows[0].valid || rows[1].valid);
   const float sc = p.scale, cap = p.softcap, sc_log2 = p.scale * LOG2E;
   const float* qq = p.qq_bias;
   // No per-key terms besides the mask: full tiles only need scaling.
@@ -295,13 +296,15 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     if (t + 1 < t_end) {
       load_tile(stage ^ 1);
       cp_async_commit();
-      // Slot `stage` held tile t's offsets, whose loads are already issued.
-      tile_offsets(t + 2, stage);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
+    // Slot `stage` held tile t's offsets: every thread issued those loads
+    // before the barrier above; the loads of tile t + 2 read them after the
+    // barrier that ends this iteration.
+    tile_offsets(t + 2, stage);
     const T* tK;
     const T* tV;
     if constexpr (FP8) {
@@ -325,6 +328,9 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       tK = sK + stage * BN * KS;
       tV = sV + stage * BN * VS;
     }
+    // Warps whose 16 rows are all padding (a decode row in a prefill-shaped
+    // program, say) skip the tile.
+    if (warp_rows) {
     const int tile_start = k_lo + t * BN;
     const int warp_key0 = tile_start + wn * KW;
 
@@ -434,6 +440,7 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
         }
       }
     }
+    }  // warp_rows
     __syncthreads();
   }
   cp_async_wait<0>();

@@ -165,18 +165,21 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
     let block_q = kind.rows() / group_entries;
     let grid_x = dims.num_tokens / block_q + host.num_seqs();
     let dv_chunks = head / head.min(256);
-    let programs = grid_x * dims.num_kv_heads * head_chunks * dv_chunks;
     let segments = match params.kv_split {
         KvSplit::Never => 1,
         KvSplit::Segments(n) => (n as usize).clamp(1, MAX_SEGMENTS),
         KvSplit::Auto => {
-            if host.is_pure_decode() && programs < 3 * sms {
-                // About three resident programs per SM (what the decode
-                // tile's registers and shared memory allow for head sizes up
-                // to 128), with at least 128 keys per segment.
-                let want = (3 * sms).div_ceil(programs.max(1));
-                let by_len = host.max_seqlen_k.div_ceil(128);
-                want.min(by_len).clamp(1, 64)
+            if host.is_pure_decode() {
+                // One program per (sequence, KV head, chunk); split so that
+                // the programs fill whole waves of resident programs, with
+                // at least 128 visible keys per segment.
+                let active = host.num_seqs() * dims.num_kv_heads * head_chunks * dv_chunks;
+                let fp8 = params.key_cache.dtype() == DType::F8E4M3;
+                let slots = resident_programs(kind, head, fp8) * sms;
+                let keys = params
+                    .sliding_window
+                    .map_or(host.max_seqlen_k, |w| w.min(host.max_seqlen_k));
+                choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
             } else {
                 1
             }
@@ -191,6 +194,34 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
         dv_chunks,
         segments,
     })
+}
+
+/// Programs of one instance resident on one SM: the shared-memory limit
+/// (228 KiB per SM, 1 KiB reserved per program) and the register limit
+/// (decode-shaped instances up to head size 128 are compiled for 3 per SM).
+fn resident_programs(kind: Kind, head: usize, fp8: bool) -> usize {
+    let by_smem = (228 * 1024) / (smem_bytes(kind, head, fp8) + 1024);
+    let by_regs = if kind == Kind::Decode && head <= 128 {
+        3
+    } else {
+        2
+    };
+    by_smem.min(by_regs).max(1)
+}
+
+/// The smallest segment count (up to `max_segments`) whose waves of `slots`
+/// resident programs come within 3% of perfectly filled ones, else the best.
+fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
+    let (active, slots) = (active.max(1), slots.max(1));
+    let waves = |s: usize| (active * s).div_ceil(slots) as f64 / s as f64;
+    let ideal = active as f64 / slots as f64;
+    (1..=max_segments)
+        .find(|&s| waves(s) <= ideal * 1.03)
+        .unwrap_or_else(|| {
+            (1..=max_segments)
+                .min_by(|&a, &b| waves(a).total_cmp(&waves(b)))
+                .unwrap_or(1)
+        })
 }
 
 /// The split-KV workspace and SM count of one device, reused across calls.
@@ -500,7 +531,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shared_memory_fits_hopper_and_ampere() {
+    fn segments_fill_waves() {
+        // One long decode: split until the GPU is full.
+        assert_eq!(choose_segments(8, 396, 64), 49);
+        // Short context: capped by the keys.
+        assert_eq!(choose_segments(8, 396, 8), 8);
+        // 512 programs on 396 slots: a few segments even out the waves.
+        let s = choose_segments(512, 396, 64);
+        assert!((2..=16).contains(&s), "{s}");
+        // Already many full waves: no split.
+        assert_eq!(choose_segments(396 * 8, 396, 64), 1);
+    }
+
+    #[test]
+    fn shared_memory_fits_hopper() {
         for &head in &HEAD_SIZES {
             for kind in [Kind::Decode, Kind::Prefill] {
                 for fp8 in [false, true] {
