@@ -206,7 +206,14 @@ fn path_label(
     } else {
         1
     };
-    let kind = if decode_kind { "decode" } else { "prefill" };
+    let fits = 16 / group.min(16);
+    let kind = if decode_kind {
+        "decode"
+    } else if seqs.iter().any(|s| (1..=fits).contains(&s.0)) {
+        "decode+prefill"
+    } else {
+        "prefill"
+    };
     if segments > 1 {
         format!("split-kv({segments}, {kind})")
     } else {

@@ -38,6 +38,8 @@ struct AttnParams {
   int32_t vec_loads;        // 1: 16-byte loads are aligned and in bounds
   int32_t group_entries;    // query heads of one KV group handled by one program
   int32_t head_chunks;      // ceil(group_size / group_entries)
+  int32_t q_len_min;        // programs of sequences with fewer new tokens exit
+  int32_t q_len_max;        // programs of sequences with more new tokens exit
   float scale;              // score scale, times k_scale for fp8 caches
   float softcap;            // 0: off
   float v_scale;            // multiplies values (fp8 caches), else 1

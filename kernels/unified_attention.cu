@@ -133,6 +133,9 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   if (seq < 0) return;
   const int q_start = (int)p.cu_seqlens_q[seq];
   const int q_len = (int)p.cu_seqlens_q[seq + 1] - q_start;
+  // A mixed batch runs as two launches, one per tile shape, each owning the
+  // sequences whose span fits it.
+  if (q_len < p.q_len_min || q_len > p.q_len_max) return;
   const int row0 = (pid - (q_start / BLOCK_Q + seq)) * BLOCK_Q;
   if (row0 >= q_len) return;
   const int seq_len = (int)p.seq_lens[seq];

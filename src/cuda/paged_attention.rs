@@ -69,13 +69,15 @@ struct AttnParams {
     vec_loads: i32,
     group_entries: i32,
     head_chunks: i32,
+    q_len_min: i32,
+    q_len_max: i32,
     scale: f32,
     softcap: f32,
     v_scale: f32,
     out_inv_scale: f32,
 }
 
-const _: () = assert!(std::mem::size_of::<AttnParams>() == 192);
+const _: () = assert!(std::mem::size_of::<AttnParams>() == 200);
 
 // SAFETY: a `#[repr(C)]` block of integers and floats whose layout matches
 // the kernels' `AttnParams` (checked by the size assertion above); it is
@@ -133,16 +135,40 @@ fn smem_bytes(kind: Kind, head: usize, fp8: bool) -> usize {
     q + red + offsets + tiles.max(merge)
 }
 
-/// How one call is launched.
+/// One launch of the tensor-core kernel: a tile shape and the sequences
+/// (by new-token count) whose programs do work.
 #[derive(Clone, Copy, Debug)]
-struct Plan {
+struct Part {
     kind: Kind,
-    head: usize,
     group_entries: usize,
     head_chunks: usize,
     grid_x: usize,
+    q_len_min: usize,
+    q_len_max: usize,
+}
+
+/// How one call is launched: one part, or two for a batch that mixes
+/// sequences that fit a decode-shaped program with longer ones.
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    head: usize,
     dv_chunks: usize,
     segments: usize,
+    parts: [Option<Part>; 2],
+}
+
+fn part(kind: Kind, dims: &AttentionDims, num_seqs: usize, q_lens: (usize, usize)) -> Part {
+    let group = dims.group_size();
+    let group_entries = group.min(kind.rows());
+    let block_q = kind.rows() / group_entries;
+    Part {
+        kind,
+        group_entries,
+        head_chunks: group.div_ceil(group_entries),
+        grid_x: dims.num_tokens / block_q + num_seqs,
+        q_len_min: q_lens.0,
+        q_len_max: q_lens.1,
+    }
 }
 
 fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Result<Plan> {
@@ -154,45 +180,45 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
         );
     };
     let group = dims.group_size();
-    // Decode-shaped programs when every sequence's rows fit one 16-row program.
-    let kind = if host.max_seqlen_q * group.min(16) <= 16 {
-        Kind::Decode
+    let n = host.num_seqs();
+    let all = (0, i32::MAX as usize);
+    // Longest span whose rows (times the packed heads) fit one decode-shaped program.
+    let fits = 16 / group.min(16);
+    let parts = if host.max_seqlen_q <= fits {
+        [Some(part(Kind::Decode, dims, n, all)), None]
+    } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
+        [
+            Some(part(Kind::Decode, dims, n, (1, fits))),
+            Some(part(Kind::Prefill, dims, n, (fits + 1, all.1))),
+        ]
     } else {
-        Kind::Prefill
+        [Some(part(Kind::Prefill, dims, n, all)), None]
     };
-    let group_entries = group.min(kind.rows());
-    let head_chunks = group.div_ceil(group_entries);
-    let block_q = kind.rows() / group_entries;
-    let grid_x = dims.num_tokens / block_q + host.num_seqs();
     let dv_chunks = head / head.min(256);
     let segments = match params.kv_split {
         KvSplit::Never => 1,
         KvSplit::Segments(n) => (n as usize).clamp(1, MAX_SEGMENTS),
-        KvSplit::Auto => {
-            if host.is_pure_decode() {
+        KvSplit::Auto => match parts {
+            [Some(p), None] if host.is_pure_decode() => {
                 // One program per (sequence, KV head, chunk); split so that
                 // the programs fill whole waves of resident programs, with
                 // at least 128 visible keys per segment.
-                let active = host.num_seqs() * dims.num_kv_heads * head_chunks * dv_chunks;
+                let active = n * dims.num_kv_heads * p.head_chunks * dv_chunks;
                 let fp8 = params.key_cache.dtype() == DType::F8E4M3;
-                let slots = resident_programs(kind, head, fp8) * sms;
+                let slots = resident_programs(p.kind, head, fp8) * sms;
                 let keys = params
                     .sliding_window
                     .map_or(host.max_seqlen_k, |w| w.min(host.max_seqlen_k));
                 choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
-            } else {
-                1
             }
-        }
+            _ => 1,
+        },
     };
     Ok(Plan {
-        kind,
         head,
-        group_entries,
-        head_chunks,
-        grid_x,
         dv_chunks,
         segments,
+        parts,
     })
 }
 
@@ -385,6 +411,8 @@ fn launch(
         vec_loads: vec_loads as i32,
         group_entries: 1,
         head_chunks: 1,
+        q_len_min: 0,
+        q_len_max: i32::MAX,
         scale: params.scale * kv_scales.k_scale,
         softcap: params.active_softcap().unwrap_or(0.0),
         v_scale: kv_scales.v_scale,
@@ -428,8 +456,6 @@ fn launch(
         }),
     };
     let plan = plan(params, dims, ws.sms)?;
-    p.group_entries = plan.group_entries as i32;
-    p.head_chunks = plan.head_chunks as i32;
     p.num_segments = plan.segments as i32;
 
     // Split-KV partials: [num_tokens, num_heads, segments, head_size] outputs
@@ -458,39 +484,46 @@ fn launch(
         }
     }
 
-    let name = format!(
-        "unified_attention_h{}_{}_{dtype_name}{cache_suffix}",
-        plan.head,
-        plan.kind.name()
-    );
-    let smem = smem_bytes(plan.kind, plan.head, cache_fp8);
-    let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
-    let grid_x = u32::try_from(plan.grid_x)
-        .ok()
-        .filter(|&x| x < i32::MAX as u32)
-        .ok_or_else(|| {
-            candle_core::Error::Msg(format!(
-                "{OP}: grid of {} programs is too large",
-                plan.grid_x
-            ))
-        })?;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            grid_x,
-            (dims.num_kv_heads * plan.head_chunks) as u32,
-            (plan.segments * plan.dv_chunks) as u32,
-        ),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: smem as u32,
-    };
-    check_grid_yz(cfg.grid_dim)?;
-    let mut b = stream.launch_builder(&func);
-    b.arg(&p);
-    // SAFETY: every address in `p` points into a live allocation of this
-    // device sized for the dimensions in `p` (validated on the host; the
-    // workspace was grown to `ws_len` above); the guards keep them alive and
-    // ordered until after the launch; `smem` matches the kernel's layout.
-    unsafe { b.launch(cfg) }.w()?;
+    for part in plan.parts.iter().flatten() {
+        p.group_entries = part.group_entries as i32;
+        p.head_chunks = part.head_chunks as i32;
+        p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
+        p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
+        let name = format!(
+            "unified_attention_h{}_{}_{dtype_name}{cache_suffix}",
+            plan.head,
+            part.kind.name()
+        );
+        let smem = smem_bytes(part.kind, plan.head, cache_fp8);
+        let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
+        let grid_x = u32::try_from(part.grid_x)
+            .ok()
+            .filter(|&x| x < i32::MAX as u32)
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "{OP}: grid of {} programs is too large",
+                    part.grid_x
+                ))
+            })?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_x,
+                (dims.num_kv_heads * part.head_chunks) as u32,
+                (plan.segments * plan.dv_chunks) as u32,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        check_grid_yz(cfg.grid_dim)?;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&p);
+        // SAFETY: every address in `p` points into a live allocation of this
+        // device sized for the dimensions in `p` (validated on the host; the
+        // workspace was grown to `ws_len` above); the guards keep them alive
+        // and ordered until after the launch; `smem` matches the kernel's
+        // layout. The parts write disjoint rows.
+        unsafe { b.launch(cfg) }.w()?;
+    }
 
     if plan.segments > 1 {
         let name = format!("reduce_segments_{dtype_name}");
