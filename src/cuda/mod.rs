@@ -125,15 +125,19 @@ fn function(
     Ok(f)
 }
 
-/// Number of multiprocessors of the device.
-fn sm_count(dev: &CudaDevice) -> Result<usize> {
+/// Number of multiprocessors of the device and the most dynamic shared
+/// memory one program may use (bytes).
+fn device_limits(dev: &CudaDevice) -> Result<(usize, usize)> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    let n = dev
-        .cuda_stream()
-        .context()
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let sms = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()?;
-    Ok(n.max(1) as usize)
+    let smem = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()?;
+    Ok((sms.max(1) as usize, smem.max(0) as usize))
 }
 
 /// True when `CANDLE_PAGED_ATTENTION_POISON` is set: outputs are filled with

@@ -20,8 +20,8 @@ use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
 use super::{
-    cuda_storage, device_address, fill_nan, function, optional_address, poison_outputs, ptx,
-    sm_count, ATTENTION_MODULE,
+    cuda_storage, device_address, device_limits, fill_nan, function, optional_address,
+    poison_outputs, ptx, ATTENTION_MODULE,
 };
 use crate::ops::paged_attention::{AttentionDims, KvSplit, PagedAttentionParams};
 
@@ -253,6 +253,7 @@ fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
 /// The split-KV workspace and SM count of one device, reused across calls.
 struct Workspace {
     sms: usize,
+    max_smem: usize,
     buf: Option<CudaSlice<f32>>,
 }
 
@@ -450,10 +451,14 @@ fn launch(
         .map_err(|_| candle_core::Error::Msg(format!("{OP}: workspace lock poisoned")))?;
     let ws = match spaces.entry(dev.id()) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => e.insert(Workspace {
-            sms: sm_count(&dev)?,
-            buf: None,
-        }),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            let (sms, max_smem) = device_limits(&dev)?;
+            e.insert(Workspace {
+                sms,
+                max_smem,
+                buf: None,
+            })
+        }
     };
     let plan = plan(params, dims, ws.sms)?;
     p.num_segments = plan.segments as i32;
@@ -495,6 +500,13 @@ fn launch(
             part.kind.name()
         );
         let smem = smem_bytes(part.kind, plan.head, cache_fp8);
+        if smem > ws.max_smem {
+            bail!(
+                "{OP}: head size {} needs {smem} bytes of shared memory per program, this device allows {}",
+                dims.head_size,
+                ws.max_smem
+            );
+        }
         let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
         let grid_x = u32::try_from(part.grid_x)
             .ok()
