@@ -151,12 +151,14 @@ fn kv_rows(layer: usize, token: u32, pos: usize, width: usize) -> (Vec<f32>, Vec
 }
 
 /// Rows as the cache holds them: fp8-rounded and rescaled for an fp8 layer.
-fn stored(rows: &[Vec<f32>], scale: Option<f32>, dev: &Device) -> Result<Vec<Vec<f32>>> {
+/// The reference rounds on the host, whatever device the layer runs on
+/// (candle's CUDA backend has no f32 -> F8E4M3 cast).
+fn stored(rows: &[Vec<f32>], scale: Option<f32>) -> Result<Vec<Vec<f32>>> {
     let Some(s) = scale else {
         return Ok(rows.to_vec());
     };
     let flat: Vec<f32> = rows.concat();
-    let t = Tensor::from_vec(flat, (rows.len(), rows[0].len()), dev)?;
+    let t = Tensor::from_vec(flat, (rows.len(), rows[0].len()), &Device::Cpu)?;
     let q = ((t / s as f64)?
         .to_dtype(DType::F8E4M3)?
         .to_dtype(DType::F32)?
@@ -312,8 +314,8 @@ fn simulate(sim: &Sim, dev: &Device) -> Result<Stats> {
                     (0..cached).map(|p| kv_rows(l, tokens[p], p, kvw)).unzip();
                 let entry = history[l].entry(id).or_default();
                 if cached > 0 {
-                    entry.0 = stored(&ks, rl.fp8.map(|s| s.k_scale), dev)?;
-                    entry.1 = stored(&vs, rl.fp8.map(|s| s.v_scale), dev)?;
+                    entry.0 = stored(&ks, rl.fp8.map(|s| s.k_scale))?;
+                    entry.1 = stored(&vs, rl.fp8.map(|s| s.v_scale))?;
                 }
             }
             live.push(Live {
@@ -385,8 +387,8 @@ fn simulate(sim: &Sim, dev: &Device) -> Result<Stats> {
                 k.extend(ks.concat());
                 v.extend(vs.concat());
                 let entry = history[l].entry(s.id).or_default();
-                entry.0.extend(stored(&ks, rl.fp8.map(|s| s.k_scale), dev)?);
-                entry.1.extend(stored(&vs, rl.fp8.map(|s| s.v_scale), dev)?);
+                entry.0.extend(stored(&ks, rl.fp8.map(|s| s.k_scale))?);
+                entry.1.extend(stored(&vs, rl.fp8.map(|s| s.v_scale))?);
             }
             let qt = Tensor::from_vec(q.clone(), (n, qw), dev)?;
             let kt = Tensor::from_vec(k, (n, kvw), dev)?;
