@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Paged attention for [candle](https://github.com/huggingface/candle).
 //!
 //! One [`paged_attention`] call serves a mixed batch of prefills, chunked

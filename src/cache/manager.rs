@@ -67,9 +67,19 @@ impl BlockManagerConfig {
 pub enum Work {
     /// Compute the next `num_tokens` prompt tokens (the whole rest of the
     /// prompt, or a chunk of it).
-    Prefill { seq_id: u64, num_tokens: usize },
+    Prefill {
+        /// The sequence, as admitted by `add_sequence`.
+        seq_id: u64,
+        /// Prompt tokens to compute in this step.
+        num_tokens: usize,
+    },
     /// Append `token` (sampled from the previous step) and compute it.
-    Decode { seq_id: u64, token: u32 },
+    Decode {
+        /// The sequence, as admitted by `add_sequence`.
+        seq_id: u64,
+        /// The token sampled for it in the previous step.
+        token: u32,
+    },
 }
 
 impl Work {

@@ -10,7 +10,9 @@ use candle_core::{bail, Result};
 /// Ignored for caches of the model's own dtype.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KvScales {
+    /// Keys are stored as `k / k_scale` and read as `x * k_scale`.
     pub k_scale: f32,
+    /// Values are stored as `v / v_scale` and read as `x * v_scale`.
     pub v_scale: f32,
 }
 

@@ -48,17 +48,29 @@ pub enum KvSplit {
 /// * `kv_split` - split-KV policy of the CUDA path.
 #[derive(Clone, Debug)]
 pub struct PagedAttentionParams {
+    /// `(num_blocks, block_size, num_kv_heads, head_size)`, the query's dtype or `F8E4M3`.
     pub key_cache: Tensor,
+    /// Same shape and dtype as `key_cache`.
     pub value_cache: Tensor,
+    /// The sequences: query spans, key counts, block tables, prefix ranges.
     pub batch: PagedBatch,
+    /// Multiplies `q . k`.
     pub scale: f32,
+    /// `Some(w)` keeps keys with `query_pos - key_pos < w`.
     pub sliding_window: Option<usize>,
+    /// `Some(c)`, `c > 0`: scores become `c * tanh(s / c)`; `None` or 0 is off.
     pub softcap: Option<f32>,
+    /// `(num_heads,)` f32 ALiBi slopes.
     pub alibi_slopes: Option<Tensor>,
+    /// `(num_heads,)` f32 sink logits.
     pub sinks: Option<Tensor>,
+    /// `(rows, cols)` f32 query-query bias, `rows >= max q_len`.
     pub qq_bias: Option<Tensor>,
+    /// Dequantisation scales of an `F8E4M3` cache (ignored otherwise).
     pub kv_scales: KvScales,
+    /// `Some(s)`: `F8E4M3` output holding `clamp(out / s, -448, 448)`.
     pub output_scale: Option<f32>,
+    /// Split-KV policy of the CUDA path.
     pub kv_split: KvSplit,
 }
 
@@ -148,11 +160,17 @@ impl PagedAttentionParams {
 /// Sizes of one validated call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionDims {
+    /// Query rows (dimension 0 of `q`).
     pub num_tokens: usize,
+    /// Query heads (dimension 1 of `q`).
     pub num_heads: usize,
+    /// KV heads (dimension 2 of the caches).
     pub num_kv_heads: usize,
+    /// Head size (dimension 2 of `q`, 3 of the caches).
     pub head_size: usize,
+    /// Cache blocks (dimension 0 of the caches).
     pub num_blocks: usize,
+    /// Tokens per block (dimension 1 of the caches).
     pub block_size: usize,
 }
 
@@ -334,6 +352,7 @@ impl PagedAttentionParams {
 /// it returns the attention output of the same shape (dtype of the query, or
 /// `F8E4M3` with an output scale). Use it through [`paged_attention`].
 pub struct PagedAttention<'a> {
+    /// Caches, batch and options of the call.
     pub params: &'a PagedAttentionParams,
 }
 
