@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --features cuda --example bench -- \
-//!     --shapes ../shared/bench/shapes.json --out ours.jsonl [CASE...]
+//!     --shapes shapes.json --out ours.jsonl [CASE...]
 //! ```
 //!
 //! Per case: random normal bf16 query and K/V caches (fp8 caches for
@@ -48,7 +48,7 @@ struct Args {
 
 fn parse_args() -> Result<Args> {
     let mut args = Args {
-        shapes: "../shared/bench/shapes.json".into(),
+        shapes: "shapes.json".into(),
         out: "ours.jsonl".into(),
         cases: Vec::new(),
         min_reps: 20,
