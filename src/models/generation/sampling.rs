@@ -69,6 +69,7 @@ impl SamplingParams {
 /// The sampler of one sequence (candle-transformers' `LogitsProcessor`).
 pub struct Sampler {
     inner: LogitsProcessor,
+    greedy: bool,
 }
 
 impl Sampler {
@@ -77,7 +78,14 @@ impl Sampler {
         let temperature = (params.temperature > 0.0).then_some(params.temperature);
         Self {
             inner: LogitsProcessor::new(params.seed, temperature, params.top_p),
+            greedy: temperature.is_none(),
         }
+    }
+
+    /// True when the sampler takes the argmax (temperature `<= 0`), so a
+    /// batch's greedy tokens can be picked on the device in one pass.
+    pub fn is_greedy(&self) -> bool {
+        self.greedy
     }
 
     /// Picks a token from `logits` `(vocab,)`.

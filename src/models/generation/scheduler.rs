@@ -350,6 +350,18 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         let logits = self
             .model
             .forward(&input, &batch.metadata, &self.cache, &rows)?;
+        // Greedy rows take their argmax on the logits' device in one pass
+        // and one copy, instead of one copy of a vocabulary row per sequence.
+        let any_greedy = ready.iter().any(|&i| {
+            self.running
+                .iter()
+                .any(|s| s.request.id == batch.seq_ids[i] && s.sampler.is_greedy())
+        });
+        let argmax: Vec<u32> = if any_greedy {
+            logits.argmax(candle_core::D::Minus1)?.to_vec1()?
+        } else {
+            Vec::new()
+        };
         let mut finished = Vec::new();
         for (r, &i) in ready.iter().enumerate() {
             let id = batch.seq_ids[i];
@@ -358,7 +370,11 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                 .iter_mut()
                 .find(|s| s.request.id == id)
                 .expect("scheduled sequences are running");
-            let token = seq.sampler.sample(&logits.get(r)?)?;
+            let token = if seq.sampler.is_greedy() {
+                argmax[r]
+            } else {
+                seq.sampler.sample(&logits.get(r)?)?
+            };
             seq.generated.push(token);
             seq.first_token.get_or_insert_with(|| seq.arrival.elapsed());
             let finish = if seq.request.params.stop_tokens.contains(&token) {
