@@ -41,7 +41,7 @@ pub struct PagedBatch {
 }
 
 /// Host copies of the batch's index arrays and the maxima derived from them.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct BatchHost {
     /// `num_seqs + 1` row offsets into the flat query.
     pub cu_seqlens_q: Vec<u32>,
@@ -189,15 +189,8 @@ impl PagedBatch {
         let device = self.seq_lens.device().clone();
         let tensor = Tensor::from_vec(flat, (host.num_seqs(), max_ranges, 2), &device)?;
         let host = BatchHost {
-            cu_seqlens_q: host.cu_seqlens_q.clone(),
-            seq_lens: host.seq_lens.clone(),
-            block_tables: host.block_tables.clone(),
-            block_table_width: host.block_table_width,
-            block_size: host.block_size,
             prefix_ranges: ranges.to_vec(),
-            max_seqlen_q: host.max_seqlen_q,
-            max_seqlen_k: host.max_seqlen_k,
-            max_block_id: host.max_block_id,
+            ..(**host).clone()
         };
         Ok(Self {
             prefix_ranges: Some(tensor),
