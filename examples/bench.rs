@@ -23,11 +23,13 @@ use std::io::Write;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
+use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use candle_core::{DType, Device, Tensor};
 use candle_paged_attention::{
-    paged_attention, reshape_and_cache, KvScales, PagedAttentionParams, PagedBatch, SlotMapping,
+    cuda_launch_plan, paged_attention, reshape_and_cache, KvScales, PagedAttentionParams, PagedBatch, SlotMapping,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -142,6 +144,20 @@ impl Timer {
     }
 }
 
+/// Captures the launches `f` enqueues on `stream` into a CUDA graph (its
+/// allocations become graph-owned and are freed inside the graph).
+fn capture(stream: &Arc<CudaStream>, f: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+    stream.synchronize()?;
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let run = f();
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+    run?;
+    let graph = graph?.context("the capture recorded nothing")?;
+    graph.upload()?;
+    stream.synchronize()?;
+    Ok(graph)
+}
+
 fn field<'a>(c: &'a Value, name: &str) -> Result<&'a Value> {
     c.get(name)
         .with_context(|| format!("case has no field {name}"))
@@ -152,73 +168,6 @@ fn uint(c: &Value, name: &str) -> Result<usize> {
         .as_u64()
         .map(|v| v as usize)
         .with_context(|| format!("field {name} is not an unsigned integer"))
-}
-
-/// The path the library picks for this case: a copy of the automatic rule of
-/// `plan` in src/cuda/paged_attention.rs (tile shape, resident programs per
-/// SM, segments that fill whole waves), for the report only.
-fn path_label(
-    seqs: &[(usize, usize)],
-    (heads, kv_heads, head_size): (usize, usize, usize),
-    window: Option<usize>,
-    fp8: bool,
-    sms: usize,
-) -> String {
-    let group = heads / kv_heads;
-    let max_q = seqs.iter().map(|s| s.0).max().unwrap_or(0);
-    let max_k = seqs.iter().map(|s| s.1).max().unwrap_or(0);
-    let tokens: usize = seqs.iter().map(|s| s.0).sum();
-    let decode_kind = max_q * group.min(16) <= 16;
-    let rows = if decode_kind { 16 } else { 64 };
-    let ge = group.min(rows);
-    let head = head_size.next_power_of_two().max(32);
-    let dv = head.min(256);
-    let dv_chunks = head / dv;
-    // Shared memory of the instance (kernels/unified_attention.cu `Smem`).
-    let (wm, wn, kw) = if decode_kind {
-        (1, 4, 16)
-    } else {
-        (4, 1, if head <= 128 { 64 } else { 32 })
-    };
-    let (bm, bn) = (16 * wm, kw * wn);
-    let tiles = if fp8 {
-        bn * (head + 8) * 2 + bn * (dv + 8) * 2 + 2 * bn * head + 2 * bn * dv
-    } else {
-        4 * bn * (head + 8) + 4 * bn * (dv + 8)
-    };
-    let smem = bm * (head + 8) * 2 + 8 * wn * bm + 16 * bn + tiles.max(wn * bm * (dv + 8) * 4);
-    let by_regs = if decode_kind && head <= 128 { 3 } else { 2 };
-    let slots = ((228 * 1024) / (smem + 1024)).min(by_regs).max(1) * sms;
-    let decode = max_q == 1 && tokens == seqs.len();
-    let segments = if decode {
-        let active = seqs.len() * kv_heads * group.div_ceil(ge) * dv_chunks;
-        let keys = window.map_or(max_k, |w| w.min(max_k));
-        let max_s = keys.div_ceil(128).clamp(1, 64);
-        let waves = |s: usize| (active * s).div_ceil(slots) as f64 / s as f64;
-        let ideal = active as f64 / slots as f64;
-        (1..=max_s)
-            .find(|&s| waves(s) <= ideal * 1.03)
-            .unwrap_or_else(|| {
-                (1..=max_s)
-                    .min_by(|&a, &b| waves(a).total_cmp(&waves(b)))
-                    .unwrap_or(1)
-            })
-    } else {
-        1
-    };
-    let fits = 16 / group.min(16);
-    let kind = if decode_kind {
-        "decode"
-    } else if seqs.iter().any(|s| (1..=fits).contains(&s.0)) {
-        "decode+prefill"
-    } else {
-        "prefill"
-    };
-    if segments > 1 {
-        format!("split-kv({segments}, {kind})")
-    } else {
-        format!("2d({kind})")
-    }
 }
 
 /// Fills the first `rows` cache rows of both caches with random normal
@@ -245,7 +194,6 @@ fn run_case(
     dev: &Device,
     timer: &mut Timer,
     args: &Args,
-    sms: usize,
     seed: u64,
 ) -> Result<Value> {
     let name = field(c, "name")?.as_str().context("name")?;
@@ -304,6 +252,7 @@ fn run_case(
     let params = PagedAttentionParams::new(&kc, &vc, &batch, 1.0 / (d as f32).sqrt())
         .with_sliding_window(window);
 
+    let path = cuda_launch_plan(&q, &params)?;
     // Check once, with the output poisoned.
     std::env::set_var("CANDLE_PAGED_ATTENTION_POISON", "1");
     let out = paged_attention(&q, &params);
@@ -313,14 +262,23 @@ fn run_case(
         bail!("output element {i} is {} after the check run", out[i]);
     }
 
-    let stats = timer.time(
-        args,
-        || {
-            paged_attention(&q, &params)?;
-            Ok(())
-        },
-        args.min_reps,
-    )?;
+    // One forward as a graph replay (launches, workspace and output
+    // allocation included), as the harness times vLLM's kernel; eager
+    // launches if the capture fails.
+    let forward = || -> Result<()> {
+        paged_attention(&q, &params)?;
+        Ok(())
+    };
+    let (stats, timing) = match capture(&timer.stream.clone(), forward) {
+        Ok(graph) => (
+            timer.time(args, || Ok(graph.launch()?), args.min_reps)?,
+            "graph",
+        ),
+        Err(e) => {
+            eprintln!("{name}: graph capture failed ({e:#}); timing eager launches");
+            (timer.time(args, forward, args.min_reps)?, "eager")
+        }
+    };
     Ok(json!({
         "case": name,
         "impl": "ours",
@@ -328,8 +286,8 @@ fn run_case(
         "us_min": stats.min,
         "us_max": stats.max,
         "reps": stats.reps,
-        "timing": "eager",
-        "path": path_label(&seqs, (h, kvh, d), window, fp8, sms),
+        "timing": timing,
+        "path": path,
     }))
 }
 
@@ -364,6 +322,10 @@ fn main() -> Result<()> {
     let Device::Cuda(cuda) = &dev else {
         bail!("not a cuda device")
     };
+    // SAFETY: every launch of this program goes on candle's one stream, so
+    // no cross-stream ordering events are needed (and none may be recorded
+    // inside a graph capture).
+    unsafe { cuda.disable_event_tracking() };
     let stream = cuda.cuda_stream();
     let sms = stream
         .context()
@@ -381,7 +343,7 @@ fn main() -> Result<()> {
         Ok(())
     };
     put(
-        json!({"meta": {"impl": "ours", "sms": sms, "timing": "eager launches, 256 MiB L2 flush before each rep"}}),
+        json!({"meta": {"impl": "ours", "sms": sms, "timing": "CUDA-graph replay of one forward (eager launches where capture fails), 256 MiB L2 flush before each rep"}}),
     )?;
 
     if args.ceilings {
@@ -422,7 +384,7 @@ fn main() -> Result<()> {
             .and_then(Value::as_str)
             .unwrap_or("?")
             .to_string();
-        match run_case(c, &dev, &mut timer, &args, sms, i as u64) {
+        match run_case(c, &dev, &mut timer, &args, i as u64) {
             Ok(v) => put(v)?,
             Err(e) => put(json!({"case": name, "impl": "ours", "error": format!("{e:#}")}))?,
         }

@@ -40,6 +40,8 @@ struct AttnParams {
   int32_t head_chunks;      // ceil(group_size / group_entries)
   int32_t q_len_min;        // programs of sequences with fewer new tokens exit
   int32_t q_len_max;        // programs of sequences with more new tokens exit
+  int32_t ws_seq_rows;      // 0: split-KV partial rows are tokens; else seq * ws_seq_rows + row
+  int32_t seq_programs;     // 1: program x serves sequence x (every span fits one program)
   float scale;              // score scale, times k_scale for fp8 caches
   float softcap;            // 0: off
   float v_scale;            // multiplies values (fp8 caches), else 1

@@ -64,6 +64,26 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// Four F8E4M3 bytes (the lowest byte is the first element) to four 16-bit
+// elements, two per 32-bit word. Exact: every e4m3 value is a f16 and a bf16
+// value. One cvt per pair on sm_89+.
+template <typename T>
+__device__ __forceinline__ uint2 fp8x4_to(uint32_t w);
+template <>
+__device__ __forceinline__ uint2 fp8x4_to<__half>(uint32_t w) {
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
+  return make_uint2((uint32_t)lo.x | ((uint32_t)lo.y << 16), (uint32_t)hi.x | ((uint32_t)hi.y << 16));
+}
+template <>
+__device__ __forceinline__ uint2 fp8x4_to<__nv_bfloat16>(uint32_t w) {
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
+  const float2 a = __half22float2(__half2(lo));
+  const float2 b = __half22float2(__half2(hi));
+  return make_uint2(pack2<__nv_bfloat16>(a.x, a.y), pack2<__nv_bfloat16>(b.x, b.y));
+}
+
 // ---- warp reductions ----------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

@@ -21,6 +21,8 @@
 // never multiplied (keys no row of the program sees are zero-filled before the
 // P.V product); a row with no visible key is 0.
 
+#include <type_traits>
+
 #include "attention_params.cuh"
 #include "common.cuh"
 
@@ -42,15 +44,18 @@ struct IntC {
 
 // Tile shape of one kernel instance. HEAD: padded head size (the tail past
 // head_size is zero-filled); DV: output columns per program.
-template <int HEAD_, int WARPS_M_, int WARPS_N_, int KW_>
+template <int HEAD_, int WARPS_M_, int WARPS_N_, int KW_, int MT_, int STAGES_>
 struct Cfg {
   static constexpr int HEAD = HEAD_;
   static constexpr int DV = HEAD_ < 256 ? HEAD_ : 256;
-  static constexpr int WARPS_M = WARPS_M_;  // warps along query rows (16 rows each)
+  static constexpr int WARPS_M = WARPS_M_;  // warps along query rows
   static constexpr int WARPS_N = WARPS_N_;  // warps along the keys of a tile
   static constexpr int KW = KW_;            // keys per warp per tile
+  static constexpr int MT = MT_;            // 16-row MMA tiles per warp
+  static constexpr int STAGES = STAGES_;    // K/V tiles in the cp.async ring
   static constexpr int NT = 32 * WARPS_M * WARPS_N;
-  static constexpr int BM = 16 * WARPS_M;   // packed rows per program
+  static constexpr int WR = 16 * MT;        // packed rows per warp
+  static constexpr int BM = WR * WARPS_M;   // packed rows per program
   static constexpr int BN = KW * WARPS_N;   // keys per tile
   static constexpr int QS = HEAD + 8;       // shared row strides (elements), padded against bank conflicts
   static constexpr int KS = HEAD + 8;
@@ -63,10 +68,10 @@ template <class CF, bool FP8>
 struct Smem {
   static constexpr int Q_BYTES = CF::BM * CF::QS * 2;
   static constexpr int RED_BYTES = 2 * CF::WARPS_N * CF::BM * 4;
-  static constexpr int OFF_BYTES = 2 * CF::BN * 8;  // per-key cache offsets, two tiles
+  static constexpr int OFF_BYTES = CF::STAGES * CF::BN * 8;  // per-key cache offsets, one slot per stage
   static constexpr int TILES =
-      FP8 ? CF::BN * CF::KS * 2 + CF::BN * CF::VS * 2 + 2 * CF::BN * CF::HEAD + 2 * CF::BN * CF::DV
-          : 2 * CF::BN * CF::KS * 2 + 2 * CF::BN * CF::VS * 2;
+      FP8 ? CF::BN * CF::KS * 2 + CF::BN * CF::VS * 2 + CF::STAGES * CF::BN * (CF::HEAD + CF::DV)
+          : CF::STAGES * CF::BN * (CF::KS + CF::VS) * 2;
   static constexpr int MERGE = CF::WARPS_N * CF::BM * CF::CS * 4;
   static constexpr int TOTAL = Q_BYTES + RED_BYTES + OFF_BYTES + (TILES > MERGE ? TILES : MERGE);
 };
@@ -94,20 +99,25 @@ template <typename T, typename C, class CF>
 __device__ __forceinline__ void attention_body(const AttnParams& p) {
   constexpr bool FP8 = IsFp8<C>::value;
   constexpr int HEAD = CF::HEAD, DV = CF::DV, BM = CF::BM, BN = CF::BN, KW = CF::KW;
-  constexpr int NT = CF::NT, WARPS_N = CF::WARPS_N;
+  constexpr int NT = CF::NT, WARPS_N = CF::WARPS_N, MT = CF::MT, WR = CF::WR, STAGES = CF::STAGES;
   constexpr int QS = CF::QS, KS = CF::KS, VS = CF::VS, CS = CF::CS;
+  static_assert(STAGES >= 2, "the ring needs two stages");
   using SM = Smem<CF, FP8>;
+  // The MMA element type. fp8 caches run f16 MMAs whatever the query dtype:
+  // e4m3 converts to f16 in one instruction, and queries are scaled per row
+  // by a power of two into f16's range (exact for bf16's 8-bit mantissa).
+  using MM = typename std::conditional<FP8, __half, T>::type;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  T* sQ = reinterpret_cast<T*>(smem);
+  MM* sQ = reinterpret_cast<MM*>(smem);
   float* red_m = reinterpret_cast<float*>(smem + SM::Q_BYTES);
   float* red_l = red_m + WARPS_N * BM;
-  int64_t* koff = reinterpret_cast<int64_t*>(smem + SM::Q_BYTES + SM::RED_BYTES);  // [2][BN]
+  int64_t* koff = reinterpret_cast<int64_t*>(smem + SM::Q_BYTES + SM::RED_BYTES);  // [STAGES][BN]
   unsigned char* region = smem + SM::Q_BYTES + SM::RED_BYTES + SM::OFF_BYTES;
-  T* sK = reinterpret_cast<T*>(region);  // FP8: one converted tile; else two stages
-  T* sV = sK + (FP8 ? 1 : 2) * BN * KS;
-  uint8_t* stK = reinterpret_cast<uint8_t*>(sV + (FP8 ? 1 : 2) * BN * VS);  // FP8 staging, two stages
-  uint8_t* stV = stK + 2 * BN * HEAD;
+  MM* sK = reinterpret_cast<MM*>(region);  // FP8: one converted tile; else STAGES stages
+  MM* sV = sK + (FP8 ? 1 : STAGES) * BN * KS;
+  uint8_t* stK = reinterpret_cast<uint8_t*>(sV + (FP8 ? 1 : STAGES) * BN * VS);  // FP8 staging ring
+  uint8_t* stV = stK + STAGES * BN * HEAD;
   float* merge = reinterpret_cast<float*>(region);  // reused after the key loop
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -121,22 +131,28 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   const int dvc = blockIdx.z / p.num_segments;
 
   // ---- which sequence and which of its query blocks this program owns ----
+  // Decode-shaped launches run one program per sequence (every span they
+  // serve fits BLOCK_Q rows); others find their sequence by binary search
+  // over the query blocks.
   const int pid = blockIdx.x;
-  int lo = 0, hi = p.num_seqs;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    const int v = (int)(p.cu_seqlens_q[mid] / (uint32_t)BLOCK_Q) + mid;
-    if (v <= pid) lo = mid + 1;
-    else hi = mid;
+  int seq = pid;
+  if (!p.seq_programs) {
+    int lo = 0, hi = p.num_seqs;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      const int v = (int)(p.cu_seqlens_q[mid] / (uint32_t)BLOCK_Q) + mid;
+      if (v <= pid) lo = mid + 1;
+      else hi = mid;
+    }
+    seq = lo - 1;
   }
-  const int seq = lo - 1;
-  if (seq < 0) return;
+  if (seq < 0 || seq >= p.num_seqs) return;
   const int q_start = (int)p.cu_seqlens_q[seq];
   const int q_len = (int)p.cu_seqlens_q[seq + 1] - q_start;
   // A mixed batch runs as two launches, one per tile shape, each owning the
   // sequences whose span fits it.
   if (q_len < p.q_len_min || q_len > p.q_len_max) return;
-  const int row0 = (pid - (q_start / BLOCK_Q + seq)) * BLOCK_Q;
+  const int row0 = p.seq_programs ? 0 : (pid - (q_start / BLOCK_Q + seq)) * BLOCK_Q;
   if (row0 >= q_len) return;
   const int seq_len = (int)p.seq_lens[seq];
   const int context_len = seq_len - q_len;
@@ -191,7 +207,56 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   const uint32_t* table = p.block_tables + (size_t)seq * p.block_table_width;
 
   // ---- Q: BM packed rows x HEAD columns (zero past head_size / invalid rows) ----
-  {
+  // fp8 caches: each row is scaled by 2^k, k chosen so that its largest
+  // magnitude lands in [2^14, 2^15), and converted to f16; `row_qscale`
+  // (in the red_m area until the key loop) keeps 2^-k for the scores.
+  float* row_qscale = red_m;
+  if constexpr (FP8) {
+    const T* q = static_cast<const T*>(p.q);
+    constexpr int CPR = HEAD / 8;
+    int* row_max_bits = reinterpret_cast<int*>(red_m);
+    for (int r = tid; r < BM; r += NT) row_max_bits[r] = 0;
+    __syncthreads();
+    auto q_chunk = [&](int c, float (&v)[8]) -> int {
+      const int r = c / CPR, col = (c % CPR) * 8;
+      const RowInfo ri = row_info(r);
+      const int64_t src = ((int64_t)(q_start + ri.q_rel) * p.num_heads + ri.head) * hs + col;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = (ri.valid && col + e < hs) ? to_f32(q[src + e]) : 0.f;
+      return r;
+    };
+    for (int c = tid; c < BM * CPR; c += NT) {
+      float v[8];
+      const int r = q_chunk(c, v);
+      float m = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(v[e]));
+      if (m > 0.f) atomicMax(row_max_bits + r, __float_as_int(m));
+    }
+    __syncthreads();
+    for (int c = tid; c < BM * CPR; c += NT) {
+      float v[8];
+      const int r = q_chunk(c, v);
+      const float m = __int_as_float(row_max_bits[r]);
+      int ex = 0;
+      frexpf(m, &ex);  // m < 2^ex
+      const float up = m > 0.f ? ldexpf(1.f, 15 - ex) : 1.f;
+      uint4 w;
+      w.x = pack2<__half>(v[0] * up, v[1] * up);
+      w.y = pack2<__half>(v[2] * up, v[3] * up);
+      w.z = pack2<__half>(v[4] * up, v[5] * up);
+      w.w = pack2<__half>(v[6] * up, v[7] * up);
+      *reinterpret_cast<uint4*>(sQ + r * QS + (c % CPR) * 8) = w;
+    }
+    __syncthreads();
+    for (int r = tid; r < BM; r += NT) {
+      const float m = __int_as_float(row_max_bits[r]);
+      int ex = 0;
+      frexpf(m, &ex);
+      row_qscale[r] = m > 0.f ? ldexpf(1.f, ex - 15) : 1.f;
+    }
+    __syncthreads();
+  } else {
     const T* q = static_cast<const T*>(p.q);
     constexpr int CPR = HEAD / 8;
     for (int c = tid; c < BM * CPR; c += NT) {
@@ -209,149 +274,234 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     }
   }
 
-  // ---- K/V tile loads: keys tile_start .. tile_start + BN of this sequence ----
+  // ---- K/V tile loads: keys k_lo + t * BN .. + BN of this sequence ----
   const C* kc = static_cast<const C*>(p.k_cache);
   const C* vc = static_cast<const C*>(p.v_cache);
-  auto key_offset = [&](int key) -> int64_t {
-    const int64_t blk = (int64_t)table[key / p.block_size];
-    return blk * p.block_stride + (int64_t)(key % p.block_size) * kv_row + (int64_t)kv_head * hs;
+  // Per-key cache offsets of a tile (-1: dead key, zero-filled) go to the
+  // tile's slot of `koff`, written one iteration before the tile's loads
+  // read them. Threads tid < BN own one key each; the block id of the key
+  // they handle next is read from the table one call ahead (`next_blk`), so
+  // the table read's latency hides behind a whole tile.
+  // Offsets are in bytes; block sizes that are powers of two use shifts.
+  const int bs = p.block_size;
+  const bool bs_pow2 = (bs & (bs - 1)) == 0;
+  const int bs_shift = __ffs(bs) - 1;
+  uint32_t next_blk = 0;
+  auto table_entry = [&](int t) -> uint32_t {
+    const int key = k_lo + t * BN + tid;
+    return (tid < BN && t < t_end && key < k_hi) ? table[bs_pow2 ? key >> bs_shift : key / bs] : 0u;
   };
-  // Copies COLS columns starting at col0 of each key row into dst (row stride
-  // DST_STRIDE elements of C), zero-filling dead keys and columns.
-  // Cache offset of each key row of tile t (-1: dead key, zero-filled), one
-  // table read per key, written one tile ahead of its loads.
-  auto tile_offsets = [&](int t, int slot) {
-    if (t >= t_end) return;
-    for (int kl = tid; kl < BN; kl += NT) {
-      const int key = k_lo + t * BN + kl;
-      koff[slot * BN + kl] = key_live(key) ? key_offset(key) : (int64_t)-1;
-    }
+  auto tile_offsets = [&](int t, uint32_t blk) {
+    if (tid >= BN || t >= t_end) return;
+    const int key = k_lo + t * BN + tid;
+    const int in_blk = bs_pow2 ? key & (bs - 1) : key % bs;
+    koff[((t - t_begin) % STAGES) * BN + tid] =
+        key_live(key) ? ((int64_t)blk * p.block_stride + (int64_t)in_blk * kv_row + (int64_t)kv_head * hs) *
+                            (int64_t)sizeof(C)
+                      : (int64_t)-1;
   };
   // Copies COLS columns starting at col0 of each key row into dst (row
   // stride dst_stride elements of C), zero-filling dead keys and columns.
+  // With 16-byte loads each thread owns one column chunk and every
+  // (NT / CPR)-th row, so its addresses are a base plus the row's offset.
   auto load_rows = [&](const C* cache, const int64_t* offs, int col0, auto cols_tag, C* dst, int dst_stride) {
     constexpr int COLS = decltype(cols_tag)::value;
     constexpr int EPC = 16 / (int)sizeof(C);  // elements per 16-byte chunk
     constexpr int CPR = COLS / EPC;
-    constexpr int ITERS = (BN * CPR + NT - 1) / NT;
-#pragma unroll 4
-    for (int i = 0; i < ITERS; ++i) {
-      const int c = tid + i * NT;
-      if (BN * CPR % NT != 0 && c >= BN * CPR) break;
+    const char* base = reinterpret_cast<const char*>(cache);
+    if (vec) {
+      static_assert(NT % CPR == 0 && BN % (NT / CPR) == 0, "a pass covers whole rows");
+      constexpr int RSTEP = NT / CPR;
+      const int col = (tid % CPR) * EPC;
+      const int r0 = tid / CPR;
+      const bool col_ok = col0 + col < hs;
+      C* d = dst + r0 * dst_stride + col;
+      const char* src = base + (int64_t)(col0 + col) * (int64_t)sizeof(C);
+#pragma unroll
+      for (int i = 0; i < BN / RSTEP; ++i) {
+        const int64_t ko = offs[r0 + i * RSTEP];
+        const bool ok = col_ok && ko >= 0;
+        cp_async_16(d + i * RSTEP * dst_stride, ok ? src + ko : base, ok);
+      }
+      return;
+    }
+    for (int c = tid; c < BN * CPR; c += NT) {
       const int kl = c / CPR, col = (c % CPR) * EPC;
       const int gcol = col0 + col;
       const int64_t ko = offs[kl];
-      const bool ok = ko >= 0 && gcol < hs;
-      const int64_t off = ok ? ko + gcol : 0;
       C* d = dst + kl * dst_stride + col;
-      if (vec) {
-        cp_async_16(d, cache + off, ok);
-      } else {
+      const C* row = reinterpret_cast<const C*>(base + (ko >= 0 ? ko : 0));
 #pragma unroll
-        for (int e = 0; e < EPC; ++e) {
-          if (ok && gcol + e < hs) {
-            d[e] = cache[off + e];
-          } else {
-            if constexpr (FP8) d[e].bits = 0;
-            else d[e] = from_f32<C>(0.f);
-          }
+      for (int e = 0; e < EPC; ++e) {
+        if (ko >= 0 && gcol + e < hs) {
+          d[e] = row[gcol + e];
+        } else {
+          if constexpr (FP8) d[e].bits = 0;
+          else d[e] = from_f32<C>(0.f);
         }
       }
     }
   };
+  // K and V rows of one tile with 16-byte loads, one offset read per row
+  // for both (16-bit caches whose values span the whole head).
+  auto load_kv_rows = [&](const int64_t* offs, C* dk, C* dv) {
+    constexpr int EPC = 16 / (int)sizeof(C);
+    constexpr int CPR = HEAD / EPC;
+    static_assert(NT % CPR == 0 && BN % (NT / CPR) == 0, "a pass covers whole rows");
+    constexpr int RSTEP = NT / CPR;
+    const int col = (tid % CPR) * EPC;
+    const int r0 = tid / CPR;
+    const bool col_ok = col < hs;
+    const char* kb = reinterpret_cast<const char*>(kc) + col * (int)sizeof(C);
+    const char* vb = reinterpret_cast<const char*>(vc) + col * (int)sizeof(C);
+    C* k_dst = dk + r0 * KS + col;
+    C* v_dst = dv + r0 * VS + col;
+#pragma unroll
+    for (int i = 0; i < BN / RSTEP; ++i) {
+      const int64_t ko = offs[r0 + i * RSTEP];
+      const bool ok = col_ok && ko >= 0;
+      cp_async_16(k_dst + i * RSTEP * KS, ok ? kb + ko : kb, ok);
+      cp_async_16(v_dst + i * RSTEP * VS, ok ? vb + ko : vb, ok);
+    }
+  };
   using HeadCols = IntC<HEAD>;
   using ValCols = IntC<DV>;
-  // Tile t goes to buffer `stage`; its key offsets are in slot `stage`.
-  auto load_tile = [&](int stage) {
+  // Tile t goes to ring stage (t - t_begin) % STAGES, its offsets' slot.
+  auto load_tile = [&](int t) {
+    const int stage = (t - t_begin) % STAGES;
     const int64_t* offs = koff + stage * BN;
     if constexpr (FP8) {
       load_rows(kc, offs, 0, HeadCols{}, reinterpret_cast<C*>(stK + stage * BN * HEAD), HEAD);
       load_rows(vc, offs, dvc * DV, ValCols{}, reinterpret_cast<C*>(stV + stage * BN * DV), DV);
     } else {
-      load_rows(kc, offs, 0, HeadCols{}, reinterpret_cast<C*>(sK + stage * BN * KS), KS);
-      load_rows(vc, offs, dvc * DV, ValCols{}, reinterpret_cast<C*>(sV + stage * BN * VS), VS);
+      C* dk = reinterpret_cast<C*>(sK + stage * BN * KS);
+      C* dv = reinterpret_cast<C*>(sV + stage * BN * VS);
+      if (HEAD == DV && vec) {
+        load_kv_rows(offs, dk, dv);
+      } else {
+        load_rows(kc, offs, 0, HeadCols{}, dk, KS);
+        load_rows(vc, offs, dvc * DV, ValCols{}, dv, VS);
+      }
     }
   };
 
-  // ---- per-thread rows (MMA fragment rows g and g + 8 of this warp) ----
+  // ---- per-thread rows: MMA fragment rows g and g + 8 of each of the warp's MT tiles ----
   const int g = lane >> 2, c4 = lane & 3;
-  const RowInfo rows[2] = {row_info(wm * 16 + g), row_info(wm * 16 + g + 8)};
-  const bool warp_rows = __any_sync(0xffffffffu, rows[0].valid || rows[1].valid);
-  const float sc = p.scale, cap = p.softcap, sc_log2 = p.scale * LOG2E;
+  const int wrow0 = wm * WR;
+  bool any_row = false;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    any_row = any_row || row_info(wrow0 + mt * 16 + g).valid || row_info(wrow0 + mt * 16 + g + 8).valid;
+  const bool warp_rows = __any_sync(0xffffffffu, any_row);
+  const float cap = p.softcap;
+  // Score scale per fragment row (the query's f16 scaling folded in).
+  float rsc[MT][2], rsc_log2[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float qs = FP8 ? row_qscale[wrow0 + mt * 16 + g + 8 * i] : 1.f;
+      rsc[mt][i] = p.scale * qs;
+      rsc_log2[mt][i] = p.scale * LOG2E * qs;
+    }
+  }
   const float* qq = p.qq_bias;
   // No per-key terms besides the mask: full tiles only need scaling.
   const bool plain = nr == 0 && cap <= 0.f && qq == nullptr && p.alibi_slopes == nullptr;
 
-  float acc[DV / 8][4];
+  float acc[MT][DV / 8][4];
+  float m_run[MT][2], l_run[MT][2];
 #pragma unroll
-  for (int i = 0; i < DV / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float m_run[2] = {neg_inf(), neg_inf()};
-  float l_run[2] = {0.f, 0.f};
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < DV / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
+    m_run[mt][0] = m_run[mt][1] = neg_inf();
+    l_run[mt][0] = l_run[mt][1] = 0.f;
+  }
 
-  tile_offsets(t_begin, 0);
-  tile_offsets(t_begin + 1, 1);
+  // ---- prologue: offsets of the first STAGES tiles, loads of the first STAGES - 1 ----
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) tile_offsets(t_begin + s, table_entry(t_begin + s));
+  next_blk = table_entry(t_begin + STAGES);
   __syncthreads();
-  if (t_begin < t_end) load_tile(0);
-  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (t_begin + s < t_end) load_tile(t_begin + s);
+    cp_async_commit();  // Q rides in the first group
+  }
 
   for (int t = t_begin; t < t_end; ++t) {
-    const int stage = (t - t_begin) & 1;
-    if (t + 1 < t_end) {
-      load_tile(stage ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    const int stage = (t - t_begin) % STAGES;
+    // Tile t has landed once at most STAGES - 2 younger groups are pending.
+    cp_async_wait<STAGES - 2>();
     __syncthreads();
-    // Slot `stage` held tile t's offsets: every thread issued those loads
-    // before the barrier above; the loads of tile t + 2 read them after the
-    // barrier that ends this iteration.
-    tile_offsets(t + 2, stage);
-    const T* tK;
-    const T* tV;
+    // Every warp is done with tile t - 1: its stage takes tile t + STAGES - 1,
+    // whose offsets were written before the barrier; tile t's offset slot
+    // (read by loads issued earlier) takes tile t + STAGES.
+    if (t + STAGES - 1 < t_end) load_tile(t + STAGES - 1);
+    cp_async_commit();
+    tile_offsets(t + STAGES, next_blk);
+    next_blk = table_entry(t + STAGES + 1);
+    const MM* tK;
+    const MM* tV;
     if constexpr (FP8) {
-      // Dequantise the staged fp8 tile into the T tile (exact: e4m3 fits f16/bf16).
-      const uint8_t* sk = stK + stage * BN * HEAD;
-      const uint8_t* sv = stV + stage * BN * DV;
-      for (int i = tid; i < BN * HEAD / 2; i += NT) {
-        const int kl = (2 * i) / HEAD, col = (2 * i) % HEAD;
-        fp8_t a{sk[2 * i]}, b{sk[2 * i + 1]};
-        *reinterpret_cast<uint32_t*>(sK + kl * KS + col) = pack2<T>(to_f32(a), to_f32(b));
+      // Dequantise the staged fp8 tile into the T tile, four values per step
+      // (exact: every e4m3 value is a f16 and a bf16 value).
+      // With one row of warps each warp reads only its own KW keys, so it
+      // converts just those and no block barrier is needed.
+      constexpr bool OWN = CF::WARPS_M == 1 && WARPS_N > 1;
+      const int k0 = OWN ? wn * KW : 0;
+      constexpr int NK = OWN ? KW : BN;
+      const int t0 = OWN ? lane : tid;
+      constexpr int TS = OWN ? 32 : NT;
+      const uint32_t* sk = reinterpret_cast<const uint32_t*>(stK + stage * BN * HEAD + k0 * HEAD);
+      const uint32_t* sv = reinterpret_cast<const uint32_t*>(stV + stage * BN * DV + k0 * DV);
+#pragma unroll 4
+      for (int i = t0; i < NK * HEAD / 4; i += TS) {
+        const int kl = k0 + (4 * i) / HEAD, col = (4 * i) % HEAD;
+        *reinterpret_cast<uint2*>(sK + kl * KS + col) = fp8x4_to<MM>(sk[i]);
       }
-      for (int i = tid; i < BN * DV / 2; i += NT) {
-        const int kl = (2 * i) / DV, col = (2 * i) % DV;
-        fp8_t a{sv[2 * i]}, b{sv[2 * i + 1]};
-        *reinterpret_cast<uint32_t*>(sV + kl * VS + col) = pack2<T>(to_f32(a), to_f32(b));
+#pragma unroll 4
+      for (int i = t0; i < NK * DV / 4; i += TS) {
+        const int kl = k0 + (4 * i) / DV, col = (4 * i) % DV;
+        *reinterpret_cast<uint2*>(sV + kl * VS + col) = fp8x4_to<MM>(sv[i]);
       }
-      __syncthreads();
+      if constexpr (OWN) __syncwarp();
+      else __syncthreads();
       tK = sK;
       tV = sV;
     } else {
       tK = sK + stage * BN * KS;
       tV = sV + stage * BN * VS;
     }
-    // Warps whose 16 rows are all padding (a decode row in a prefill-shaped
+    // Warps whose rows are all padding (a decode row in a prefill-shaped
     // program, say) skip the tile.
-    if (warp_rows) {
+    if (!warp_rows) continue;
     const int tile_start = k_lo + t * BN;
     const int warp_key0 = tile_start + wn * KW;
 
-    // S = Q K^T for this warp's 16 rows x KW keys.
-    float s[KW / 8][4];
+    // S = Q K^T for this warp's WR rows x KW keys; each K fragment feeds MT MMAs.
+    float s[MT][KW / 8][4];
 #pragma unroll
-    for (int i = 0; i < KW / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < KW / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < HEAD / 16; ++kk) {
       if (kk * 16 < hs) {
-        uint32_t a[4];
-        ldmatrix_x4(a, sQ + (wm * 16 + (lane & 15)) * QS + kk * 16 + (lane >> 4) * 8);
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldmatrix_x4(a[mt], sQ + (wrow0 + mt * 16 + (lane & 15)) * QS + kk * 16 + (lane >> 4) * 8);
 #pragma unroll
         for (int np = 0; np < KW / 16; ++np) {
           uint32_t b[4];
           ldmatrix_x4(b, tK + (wn * KW + np * 16 + (lane & 7) + (lane >> 4) * 8) * KS + kk * 16 + ((lane >> 3) & 1) * 8);
-          mma_16816<T>(s[2 * np], a, b[0], b[1]);
-          mma_16816<T>(s[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<MM>(s[mt][2 * np], a[mt], b[0], b[1]);
+            mma_16816<MM>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          }
         }
       }
     }
@@ -359,154 +509,208 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     // Scores: scale, softcap, mask, ALiBi, qq_bias; then log2 units. A warp
     // whose keys every row of the program sees, with no extra terms, only
     // scales (rows past the program's valid rows are never written).
-    float tmax[2] = {neg_inf(), neg_inf()};
+    float tmax[MT][2];
     const bool full = plain && warp_key0 + KW - 1 <= q_first && warp_key0 + KW <= k_hi &&
                       (window == 0 || q_last - warp_key0 < window);
-    if (full) {
 #pragma unroll
-      for (int nt = 0; nt < KW / 8; ++nt) {
+    for (int mt = 0; mt < MT; ++mt) {
+      tmax[mt][0] = tmax[mt][1] = neg_inf();
+      if (full) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = s[nt][e] * sc_log2;
-          s[nt][e] = x;
-          tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
-        }
-      }
-    } else {
+        for (int nt = 0; nt < KW / 8; ++nt) {
 #pragma unroll
-      for (int nt = 0; nt < KW / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const RowInfo& ri = rows[e >> 1];
-          const int key = warp_key0 + nt * 8 + 2 * c4 + (e & 1);
-          float x = s[nt][e] * sc;
-          if (cap > 0.f) x = cap * tanhf(x / cap);
-          if (ri.valid && key < k_hi && key_visible(ri.q_abs, key, window, ranges, nr)) {
-            x += ri.slope * (float)(key - context_len);
-            if (qq != nullptr && key >= context_len && key - context_len < p.qq_cols)
-              x += qq[(int64_t)ri.q_rel * p.qq_cols + (key - context_len)];
-            x *= LOG2E;
-          } else {
-            x = neg_inf();
+          for (int e = 0; e < 4; ++e) {
+            const float x = s[mt][nt][e] * rsc_log2[mt][e >> 1];
+            s[mt][nt][e] = x;
+            tmax[mt][e >> 1] = fmaxf(tmax[mt][e >> 1], x);
           }
-          s[nt][e] = x;
-          tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
+        }
+      } else {
+        // Row details are recomputed here, off the full-tile path, to keep
+        // registers free.
+        const RowInfo rows2[2] = {row_info(wrow0 + mt * 16 + g), row_info(wrow0 + mt * 16 + g + 8)};
+#pragma unroll
+        for (int nt = 0; nt < KW / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const RowInfo& ri = rows2[e >> 1];
+            const int key = warp_key0 + nt * 8 + 2 * c4 + (e & 1);
+            float x = s[mt][nt][e] * rsc[mt][e >> 1];
+            if (cap > 0.f) x = cap * tanhf(x / cap);
+            if (ri.valid && key < k_hi && key_visible(ri.q_abs, key, window, ranges, nr)) {
+              x += ri.slope * (float)(key - context_len);
+              if (qq != nullptr && key >= context_len && key - context_len < p.qq_cols)
+                x += qq[(int64_t)ri.q_rel * p.qq_cols + (key - context_len)];
+              x *= LOG2E;
+            } else {
+              x = neg_inf();
+            }
+            s[mt][nt][e] = x;
+            tmax[mt][e >> 1] = fmaxf(tmax[mt][e >> 1], x);
+          }
         }
       }
+      tmax[mt][0] = quad_max(tmax[mt][0]);
+      tmax[mt][1] = quad_max(tmax[mt][1]);
     }
-    tmax[0] = quad_max(tmax[0]);
-    tmax[1] = quad_max(tmax[1]);
     // A warp with nothing visible in this tile skips the P.V product.
-    const bool any = __any_sync(0xffffffffu, tmax[0] != neg_inf() || tmax[1] != neg_inf());
-    if (any) {
+    bool seen = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) seen = seen || tmax[mt][0] != neg_inf() || tmax[mt][1] != neg_inf();
+    if (!__any_sync(0xffffffffu, seen)) continue;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
       float alpha[2], m_use[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const float m_new = fmaxf(m_run[i], tmax[i]);
+        const float m_new = fmaxf(m_run[mt][i], tmax[mt][i]);
         m_use[i] = m_new == neg_inf() ? 0.f : m_new;
-        alpha[i] = exp2f(m_run[i] - m_use[i]);
-        m_run[i] = m_new;
-        l_run[i] *= alpha[i];
+        alpha[i] = exp2f(m_run[mt][i] - m_use[i]);
+        m_run[mt][i] = m_new;
+        l_run[mt][i] *= alpha[i];
       }
+      // The running max rarely moves once a few tiles are in: rescale only
+      // when it did for some row of the warp.
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int i = 0; i < DV / 8; ++i) {
-        acc[i][0] *= alpha[0];
-        acc[i][1] *= alpha[0];
-        acc[i][2] *= alpha[1];
-        acc[i][3] *= alpha[1];
+        for (int i = 0; i < DV / 8; ++i) {
+          acc[mt][i][0] *= alpha[0];
+          acc[mt][i][1] *= alpha[0];
+          acc[mt][i][2] *= alpha[1];
+          acc[mt][i][3] *= alpha[1];
+        }
       }
 #pragma unroll
       for (int nt = 0; nt < KW / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pe = exp2f(s[nt][e] - m_use[e >> 1]);
-          s[nt][e] = pe;
-          l_run[e >> 1] += pe;
+          const float pe = exp2f(s[mt][nt][e] - m_use[e >> 1]);
+          s[mt][nt][e] = pe;
+          l_run[mt][e >> 1] += pe;
         }
       }
-      // O += P V: P from the score registers, V^T fragments via ldmatrix.trans.
+    }
+    // O += P V: P from the score registers, V^T fragments via ldmatrix.trans,
+    // each V fragment feeding MT MMAs.
 #pragma unroll
-      for (int j = 0; j < KW / 16; ++j) {
-        uint32_t a[4];
-        a[0] = pack2<T>(s[2 * j][0], s[2 * j][1]);
-        a[1] = pack2<T>(s[2 * j][2], s[2 * j][3]);
-        a[2] = pack2<T>(s[2 * j + 1][0], s[2 * j + 1][1]);
-        a[3] = pack2<T>(s[2 * j + 1][2], s[2 * j + 1][3]);
+    for (int j = 0; j < KW / 16; ++j) {
+      uint32_t a[MT][4];
 #pragma unroll
-        for (int dp = 0; dp < DV / 16; ++dp) {
-          if (dvc * DV + dp * 16 < hs) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, tV + (wn * KW + j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + dp * 16 + (lane >> 4) * 8);
-            mma_16816<T>(acc[2 * dp], a, b[0], b[1]);
-            mma_16816<T>(acc[2 * dp + 1], a, b[2], b[3]);
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack2<MM>(s[mt][2 * j][0], s[mt][2 * j][1]);
+        a[mt][1] = pack2<MM>(s[mt][2 * j][2], s[mt][2 * j][3]);
+        a[mt][2] = pack2<MM>(s[mt][2 * j + 1][0], s[mt][2 * j + 1][1]);
+        a[mt][3] = pack2<MM>(s[mt][2 * j + 1][2], s[mt][2 * j + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < DV / 16; ++dp) {
+        if (dvc * DV + dp * 16 < hs) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, tV + (wn * KW + j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + dp * 16 + (lane >> 4) * 8);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<MM>(acc[mt][2 * dp], a[mt], b[0], b[1]);
+            mma_16816<MM>(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
           }
         }
       }
     }
-    }  // warp_rows
-    __syncthreads();
   }
   cp_async_wait<0>();
 
   // ---- merge the warps that split the keys, then write ----
-  l_run[0] = quad_sum(l_run[0]);
-  l_run[1] = quad_sum(l_run[1]);
-  if (c4 == 0) {
-    red_m[wn * BM + wm * 16 + g] = m_run[0];
-    red_l[wn * BM + wm * 16 + g] = l_run[0];
-    red_m[wn * BM + wm * 16 + g + 8] = m_run[1];
-    red_l[wn * BM + wm * 16 + g + 8] = l_run[1];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    l_run[mt][0] = quad_sum(l_run[mt][0]);
+    l_run[mt][1] = quad_sum(l_run[mt][1]);
+    if (c4 == 0) {
+      const int r = wrow0 + mt * 16 + g;
+      red_m[wn * BM + r] = m_run[mt][0];
+      red_l[wn * BM + r] = l_run[mt][0];
+      red_m[wn * BM + r + 8] = m_run[mt][1];
+      red_l[wn * BM + r + 8] = l_run[mt][1];
+    }
   }
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = wm * 16 + g + 8 * i;
-    float M = neg_inf();
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int w = 0; w < WARPS_N; ++w) M = fmaxf(M, red_m[w * BM + r]);
-    const float f = m_run[i] == neg_inf() ? 0.f : exp2f(m_run[i] - M);
+    for (int i = 0; i < 2; ++i) {
+      const int r = wrow0 + mt * 16 + g + 8 * i;
+      float M = neg_inf();
 #pragma unroll
-    for (int n = 0; n < DV / 8; ++n) {
-      float2 v = make_float2(acc[n][2 * i] * f, acc[n][2 * i + 1] * f);
-      *reinterpret_cast<float2*>(merge + (wn * BM + r) * CS + n * 8 + 2 * c4) = v;
+      for (int w = 0; w < WARPS_N; ++w) M = fmaxf(M, red_m[w * BM + r]);
+      const float f = m_run[mt][i] == neg_inf() ? 0.f : exp2f(m_run[mt][i] - M);
+#pragma unroll
+      for (int n = 0; n < DV / 8; ++n) {
+        float2 v = make_float2(acc[mt][n][2 * i] * f, acc[mt][n][2 * i + 1] * f);
+        *reinterpret_cast<float2*>(merge + (wn * BM + r) * CS + n * 8 + 2 * c4) = v;
+      }
     }
   }
   __syncthreads();
 
+  // Eight output columns per step: one 16-byte store when they are whole.
   const int S = p.num_segments;
-  for (int idx = tid; idx < BM * DV; idx += NT) {
-    const int r = idx / DV, d = idx % DV;
-    const int gcol = dvc * DV + d;
-    if (gcol >= hs) continue;
+  constexpr int CH = DV / 8;
+  for (int idx = tid; idx < BM * CH; idx += NT) {
+    const int r = idx / CH, d0 = (idx % CH) * 8;
+    const int gcol0 = dvc * DV + d0;
+    if (gcol0 >= hs) continue;
     const RowInfo ri = row_info(r);
     if (!ri.valid) continue;
+    const int ncols = min(8, hs - gcol0);
     float M = neg_inf();
 #pragma unroll
     for (int w = 0; w < WARPS_N; ++w) M = fmaxf(M, red_m[w * BM + r]);
-    float L = 0.f, o = 0.f;
+    float L = 0.f, o[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS_N; ++w) {
       const float mw = red_m[w * BM + r];
       if (mw != neg_inf()) L += red_l[w * BM + r] * exp2f(mw - M);
-      o += merge[(w * BM + r) * CS + d];
+      const float4* mp = reinterpret_cast<const float4*>(merge + (w * BM + r) * CS + d0);
+      const float4 x0 = mp[0], x1 = mp[1];
+      o[0] += x0.x; o[1] += x0.y; o[2] += x0.z; o[3] += x0.w;
+      o[4] += x1.x; o[5] += x1.y; o[6] += x1.z; o[7] += x1.w;
     }
     const int64_t token = q_start + ri.q_rel;
     if (S == 1) {
+      float f = 1.f;
       if (p.sinks != nullptr) {
         const float s2 = p.sinks[ri.head] * LOG2E;
         const float Mn = fmaxf(M, s2);
-        const float f = M == neg_inf() ? 0.f : exp2f(M - Mn);
+        f = M == neg_inf() ? 0.f : exp2f(M - Mn);
         L = L * f + exp2f(s2 - Mn);
-        o *= f;
       }
-      const float y = L > 0.f ? o / L * p.v_scale : 0.f;
-      const int64_t oi = (token * p.num_heads + ri.head) * hs + gcol;
-      if (p.out_fp8) static_cast<fp8_t*>(p.out)[oi] = from_f32<fp8_t>(y * p.out_inv_scale);
-      else static_cast<T*>(p.out)[oi] = from_f32<T>(y);
+      const float k = L > 0.f ? f / L * p.v_scale : 0.f;
+      const int64_t oi = (token * p.num_heads + ri.head) * hs + gcol0;
+      if (p.out_fp8) {
+        fp8_t* out = static_cast<fp8_t*>(p.out) + oi;
+        for (int e = 0; e < ncols; ++e) out[e] = from_f32<fp8_t>(o[e] * k * p.out_inv_scale);
+      } else if (ncols == 8 && vec) {
+        uint4 w;
+        w.x = pack2<T>(o[0] * k, o[1] * k);
+        w.y = pack2<T>(o[2] * k, o[3] * k);
+        w.z = pack2<T>(o[4] * k, o[5] * k);
+        w.w = pack2<T>(o[6] * k, o[7] * k);
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + oi) = w;
+      } else {
+        T* out = static_cast<T*>(p.out) + oi;
+        for (int e = 0; e < ncols; ++e) out[e] = from_f32<T>(o[e] * k);
+      }
     } else {
-      const int64_t pi = (token * p.num_heads + ri.head) * S + seg;
-      p.ws_acc[pi * hs + gcol] = o * p.v_scale;
-      if (gcol == 0) {
+      const int64_t prow = p.ws_seq_rows > 0 ? (int64_t)seq * p.ws_seq_rows + ri.q_rel : token;
+      const int64_t pi = (prow * p.num_heads + ri.head) * S + seg;
+      float* wa = p.ws_acc + pi * hs + gcol0;
+      if (ncols == 8 && vec) {
+        reinterpret_cast<float4*>(wa)[0] = make_float4(o[0] * p.v_scale, o[1] * p.v_scale, o[2] * p.v_scale, o[3] * p.v_scale);
+        reinterpret_cast<float4*>(wa)[1] = make_float4(o[4] * p.v_scale, o[5] * p.v_scale, o[6] * p.v_scale, o[7] * p.v_scale);
+      } else {
+        for (int e = 0; e < ncols; ++e) wa[e] = o[e] * p.v_scale;
+      }
+      if (gcol0 == 0) {
         p.ws_ml[2 * pi] = M;
         p.ws_ml[2 * pi + 1] = L;
       }
@@ -514,12 +718,20 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   }
 }
 
-// Merges the split-KV partials of one (token, head) and the head's sink.
-// Grid (num_tokens, num_heads), any block size.
+// Merges the split-KV partials of one (partial row, head) and the head's
+// sink. Grid (partial rows, num_heads), any block size.
 template <typename T>
 __device__ __forceinline__ void reduce_body(const AttnParams& p) {
-  const int token = blockIdx.x, head = blockIdx.y, S = p.num_segments, hs = p.head_size;
-  const int64_t base = ((int64_t)token * p.num_heads + head) * S;
+  const int row = blockIdx.x, head = blockIdx.y, S = p.num_segments, hs = p.head_size;
+  int64_t token = row;
+  if (p.ws_seq_rows > 0) {
+    // (sequence, row) partials of a mixed batch's decode launch.
+    const int seq = row / p.ws_seq_rows, q_rel = row % p.ws_seq_rows;
+    const int q_len = (int)(p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]);
+    if (q_len < p.q_len_min || q_len > p.q_len_max || q_rel >= q_len) return;
+    token = (int64_t)p.cu_seqlens_q[seq] + q_rel;
+  }
+  const int64_t base = ((int64_t)row * p.num_heads + head) * S;
   float M = neg_inf();
   for (int s = 0; s < S; ++s) {
     if (p.ws_ml[2 * (base + s) + 1] > 0.f) M = fmaxf(M, p.ws_ml[2 * (base + s)]);
@@ -648,28 +860,39 @@ __device__ __forceinline__ void scalar_body(const AttnParams& p) {
 
 // ---- entry points ---------------------------------------------------------------
 // Decode-shaped programs: 16 packed rows, 4 warps splitting 64 keys per tile.
-// Prefill-shaped programs: 64 packed rows (4 warps x 16), 1 warp per key tile.
-#define CPA_ATTN(HEAD, KIND, WM, WN, KW, TNAME, T, CNAME, C)                                              \
-  extern "C" __global__ void __launch_bounds__(32 * WM * WN, (WM == 1 && HEAD <= 128) ? 3 : 1)           \
+// Prefill-shaped programs: 4 warps of MT x 16 rows (MT = 2 up to head size
+// 128), 1 warp per key tile.
+#define CPA_ATTN(HEAD, KIND, WM, WN, KW, MT, ST, MINB, TNAME, T, CNAME, C)                                 \
+  extern "C" __global__ void __launch_bounds__(32 * WM * WN, MINB)                                        \
       unified_attention_h##HEAD##_##KIND##_##TNAME##CNAME(const AttnParams p) {                          \
-    attention_body<T, C, Cfg<HEAD, WM, WN, KW>>(p);                                                      \
+    attention_body<T, C, Cfg<HEAD, WM, WN, KW, MT, ST>>(p);                                              \
   }
 
-#define CPA_ATTN_HEAD(HEAD, PKW)                                                                          \
-  CPA_ATTN(HEAD, decode, 1, 4, 16, bf16, __nv_bfloat16, , __nv_bfloat16)                                 \
-  CPA_ATTN(HEAD, decode, 1, 4, 16, f16, __half, , __half)                                                \
-  CPA_ATTN(HEAD, decode, 1, 4, 16, bf16, __nv_bfloat16, _fp8, fp8_t)                                     \
-  CPA_ATTN(HEAD, decode, 1, 4, 16, f16, __half, _fp8, fp8_t)                                             \
-  CPA_ATTN(HEAD, prefill, 4, 1, PKW, bf16, __nv_bfloat16, , __nv_bfloat16)                               \
-  CPA_ATTN(HEAD, prefill, 4, 1, PKW, f16, __half, , __half)                                              \
-  CPA_ATTN(HEAD, prefill, 4, 1, PKW, bf16, __nv_bfloat16, _fp8, fp8_t)                                   \
-  CPA_ATTN(HEAD, prefill, 4, 1, PKW, f16, __half, _fp8, fp8_t)
+#define CPA_ATTN_HEAD(HEAD, DMINB, PKW, PMT)                                                              \
+  CPA_ATTN(HEAD, decode, 1, 4, 16, 1, 2, DMINB, bf16, __nv_bfloat16, , __nv_bfloat16)                    \
+  CPA_ATTN(HEAD, decode, 1, 4, 16, 1, 2, DMINB, f16, __half, , __half)                                   \
+  CPA_ATTN(HEAD, decode, 1, 4, 16, 1, 2, DMINB, bf16, __nv_bfloat16, _fp8, fp8_t)                        \
+  CPA_ATTN(HEAD, decode, 1, 4, 16, 1, 2, DMINB, f16, __half, _fp8, fp8_t)                                \
+  CPA_ATTN(HEAD, prefill, 4, 1, PKW, PMT, 2, 1, bf16, __nv_bfloat16, , __nv_bfloat16)                    \
+  CPA_ATTN(HEAD, prefill, 4, 1, PKW, PMT, 2, 1, f16, __half, , __half)                                   \
+  CPA_ATTN(HEAD, prefill, 4, 1, PKW, PMT, 2, 1, bf16, __nv_bfloat16, _fp8, fp8_t)                        \
+  CPA_ATTN(HEAD, prefill, 4, 1, PKW, PMT, 2, 1, f16, __half, _fp8, fp8_t)
 
-CPA_ATTN_HEAD(32, 64)
-CPA_ATTN_HEAD(64, 64)
-CPA_ATTN_HEAD(128, 64)
-CPA_ATTN_HEAD(256, 32)
-CPA_ATTN_HEAD(512, 32)
+// 64-row prefill programs for launches with less than a wave of 128-row ones.
+#define CPA_ATTN_M1(HEAD)                                                                                 \
+  CPA_ATTN(HEAD, prefill_m1, 4, 1, 64, 1, 2, 1, bf16, __nv_bfloat16, , __nv_bfloat16)                    \
+  CPA_ATTN(HEAD, prefill_m1, 4, 1, 64, 1, 2, 1, f16, __half, , __half)                                   \
+  CPA_ATTN(HEAD, prefill_m1, 4, 1, 64, 1, 2, 1, bf16, __nv_bfloat16, _fp8, fp8_t)                        \
+  CPA_ATTN(HEAD, prefill_m1, 4, 1, 64, 1, 2, 1, f16, __half, _fp8, fp8_t)
+
+CPA_ATTN_HEAD(32, 4, 64, 2)
+CPA_ATTN_HEAD(64, 4, 64, 2)
+CPA_ATTN_HEAD(128, 3, 64, 2)
+CPA_ATTN_HEAD(256, 1, 32, 1)
+CPA_ATTN_HEAD(512, 1, 32, 1)
+CPA_ATTN_M1(32)
+CPA_ATTN_M1(64)
+CPA_ATTN_M1(128)
 
 extern "C" __global__ void reduce_segments_bf16(const AttnParams p) { reduce_body<__nv_bfloat16>(p); }
 extern "C" __global__ void reduce_segments_f16(const AttnParams p) { reduce_body<__half>(p); }

@@ -71,13 +71,15 @@ struct AttnParams {
     head_chunks: i32,
     q_len_min: i32,
     q_len_max: i32,
+    ws_seq_rows: i32,
+    seq_programs: i32,
     scale: f32,
     softcap: f32,
     v_scale: f32,
     out_inv_scale: f32,
 }
 
-const _: () = assert!(std::mem::size_of::<AttnParams>() == 200);
+const _: () = assert!(std::mem::size_of::<AttnParams>() == 208);
 
 // SAFETY: a `#[repr(C)]` block of integers and floats whose layout matches
 // the kernels' `AttnParams` (checked by the size assertion above); it is
@@ -100,38 +102,87 @@ impl Kind {
             Kind::Prefill => "prefill",
         }
     }
+}
+
+/// The tile shape of one kernel instance; mirrors `Cfg` in
+/// kernels/unified_attention.cu.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct TileShape {
+    /// Warps along the packed query rows.
+    warps_m: usize,
+    /// Warps splitting the keys of a tile.
+    warps_n: usize,
+    /// Keys per warp per tile.
+    keys_per_warp: usize,
+    /// 16-row MMA tiles per warp.
+    m_tiles: usize,
+    /// K/V tiles in the cp.async ring.
+    stages: usize,
+    /// Programs per SM the kernel's launch bounds allow by registers.
+    max_resident: usize,
+    /// Kernel name suffix after the kind (`""` or `"_m1"`).
+    suffix: &'static str,
+}
+
+impl TileShape {
     /// Packed rows per program.
-    fn rows(self) -> usize {
-        match self {
-            Kind::Decode => 16,
-            Kind::Prefill => 64,
-        }
+    fn rows(&self) -> usize {
+        16 * self.m_tiles * self.warps_m
     }
-    /// (warps along rows, warps along keys, keys per warp per tile).
-    fn warps(self, head: usize) -> (usize, usize, usize) {
-        match self {
-            Kind::Decode => (1, 4, 16),
-            Kind::Prefill => (4, 1, if head <= 128 { 64 } else { 32 }),
+    /// Keys per tile.
+    fn keys(&self) -> usize {
+        self.keys_per_warp * self.warps_n
+    }
+}
+
+/// The instance a launch of `kind` uses for padded head size `head`.
+/// `small`: a prefill launch with less than a wave of 128-row programs,
+/// which then takes 64-row ones (twice the programs) where both exist.
+fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
+    match kind {
+        Kind::Decode => TileShape {
+            warps_m: 1,
+            warps_n: 4,
+            keys_per_warp: 16,
+            m_tiles: 1,
+            stages: 2,
+            max_resident: match head {
+                0..=64 => 4,
+                65..=128 => 3,
+                _ => 2,
+            },
+            suffix: "",
+        },
+        Kind::Prefill => {
+            let two_tiles = head <= 128 && !small;
+            TileShape {
+                warps_m: 4,
+                warps_n: 1,
+                keys_per_warp: if head <= 128 { 64 } else { 32 },
+                m_tiles: if two_tiles { 2 } else { 1 },
+                stages: 2,
+                max_resident: 2,
+                suffix: if head <= 128 && small { "_m1" } else { "" },
+            }
         }
     }
 }
 
 /// Dynamic shared memory of one instance; mirrors `Smem` in
 /// kernels/unified_attention.cu.
-fn smem_bytes(kind: Kind, head: usize, fp8: bool) -> usize {
-    let (wm, wn, kw) = kind.warps(head);
+fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     let dv = head.min(256);
-    let (bm, bn) = (16 * wm, kw * wn);
+    let (bm, bn, st) = (tile.rows(), tile.keys(), tile.stages);
     let (qs, ks, vs, cs) = (head + 8, head + 8, dv + 8, dv + 8);
     let q = bm * qs * 2;
-    let red = 2 * wn * bm * 4;
-    let offsets = 2 * bn * 8;
+    let red = 2 * tile.warps_n * bm * 4;
+    let offsets = st * bn * 8;
     let tiles = if fp8 {
-        bn * ks * 2 + bn * vs * 2 + 2 * bn * head + 2 * bn * dv
+        bn * ks * 2 + bn * vs * 2 + st * bn * (head + dv)
     } else {
-        2 * bn * ks * 2 + 2 * bn * vs * 2
+        st * bn * (ks + vs) * 2
     };
-    let merge = wn * bm * cs * 4;
+    let merge = tile.warps_n * bm * cs * 4;
     q + red + offsets + tiles.max(merge)
 }
 
@@ -140,6 +191,9 @@ fn smem_bytes(kind: Kind, head: usize, fp8: bool) -> usize {
 #[derive(Clone, Copy, Debug)]
 struct Part {
     kind: Kind,
+    tile: TileShape,
+    /// Split-KV segments of this launch (1: it writes the output).
+    segments: usize,
     group_entries: usize,
     head_chunks: usize,
     grid_x: usize,
@@ -153,19 +207,35 @@ struct Part {
 struct Plan {
     head: usize,
     dv_chunks: usize,
-    segments: usize,
+    /// 0: split-KV partial rows are tokens; else rows per sequence (partial
+    /// row `seq * ws_seq_rows + row`), for a mixed batch's decode launch.
+    ws_seq_rows: usize,
     parts: [Option<Part>; 2],
 }
 
-fn part(kind: Kind, dims: &AttentionDims, num_seqs: usize, q_lens: (usize, usize)) -> Part {
+fn part(
+    kind: Kind,
+    tile: TileShape,
+    dims: &AttentionDims,
+    num_seqs: usize,
+    q_lens: (usize, usize),
+) -> Part {
     let group = dims.group_size();
-    let group_entries = group.min(kind.rows());
-    let block_q = kind.rows() / group_entries;
+    let group_entries = group.min(tile.rows());
+    let block_q = tile.rows() / group_entries;
+    // A decode-shaped launch serves spans of at most `block_q` rows: one
+    // program per sequence.
+    let grid_x = match kind {
+        Kind::Decode => num_seqs,
+        Kind::Prefill => dims.num_tokens / block_q + num_seqs,
+    };
     Part {
         kind,
+        tile,
+        segments: 1,
         group_entries,
         head_chunks: group.div_ceil(group_entries),
-        grid_x: dims.num_tokens / block_q + num_seqs,
+        grid_x,
         q_len_min: q_lens.0,
         q_len_max: q_lens.1,
     }
@@ -184,61 +254,108 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
     let all = (0, i32::MAX as usize);
     // Longest span whose rows (times the packed heads) fit one decode-shaped program.
     let fits = 16 / group.min(16);
+    let decode = tile_shape(Kind::Decode, head, false);
+    // Prefill programs of 128 rows: less than a wave takes 64-row ones.
+    let prefill_programs: usize = (0..n)
+        .filter(|&i| host.q_len(i) > fits)
+        .map(|i| host.q_len(i).div_ceil(128 / group.min(128)))
+        .sum::<usize>()
+        * dims.num_kv_heads
+        * group.div_ceil(128);
+    let small = match prefill_tile_override() {
+        Some(rows) => rows == 64,
+        None => prefill_programs < 2 * sms,
+    };
+    let prefill = tile_shape(Kind::Prefill, head, small);
     let parts = if host.max_seqlen_q <= fits {
-        [Some(part(Kind::Decode, dims, n, all)), None]
+        [Some(part(Kind::Decode, decode, dims, n, all)), None]
     } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
         [
-            Some(part(Kind::Decode, dims, n, (1, fits))),
-            Some(part(Kind::Prefill, dims, n, (fits + 1, all.1))),
+            Some(part(Kind::Decode, decode, dims, n, (1, fits))),
+            Some(part(Kind::Prefill, prefill, dims, n, (fits + 1, all.1))),
         ]
     } else {
-        [Some(part(Kind::Prefill, dims, n, all)), None]
+        [Some(part(Kind::Prefill, prefill, dims, n, all)), None]
     };
     let dv_chunks = head / head.min(256);
-    let segments = match params.kv_split {
-        KvSplit::Never => 1,
-        KvSplit::Segments(n) => (n as usize).clamp(1, MAX_SEGMENTS),
-        KvSplit::Auto => match parts {
-            [Some(p), None] if host.is_pure_decode() => {
-                // One program per (sequence, KV head, chunk); split so that
-                // the programs fill whole waves of resident programs, with
-                // at least 128 visible keys per segment.
-                let active = n * dims.num_kv_heads * p.head_chunks * dv_chunks;
-                let fp8 = params.key_cache.dtype() == DType::F8E4M3;
-                let slots = resident_programs(p.kind, head, fp8) * sms;
-                let keys = params
-                    .sliding_window
-                    .map_or(host.max_seqlen_k, |w| w.min(host.max_seqlen_k));
-                choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
-            }
-            _ => 1,
-        },
+    let fp8 = params.key_cache.dtype() == DType::F8E4M3;
+    // Split so that the decode-shaped programs, one per (sequence, KV head,
+    // chunk), fill whole waves of resident programs, with at least 128
+    // visible keys per segment.
+    let auto_segments = |p: &Part, seqs: usize, max_keys: usize| {
+        let active = seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
+        let slots = resident_programs(&p.tile, head, fp8) * sms;
+        let keys = params
+            .sliding_window
+            .map_or(max_keys, |w| w.min(max_keys));
+        choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
     };
+    let mut parts = parts;
+    let mut ws_seq_rows = 0;
+    match (params.kv_split, &mut parts) {
+        (KvSplit::Never, _) => {}
+        (KvSplit::Segments(k), parts) => {
+            for p in parts.iter_mut().flatten() {
+                p.segments = (k as usize).clamp(1, MAX_SEGMENTS);
+            }
+        }
+        (KvSplit::Auto, [Some(p), None]) if host.is_pure_decode() => {
+            p.segments = auto_segments(p, n, host.max_seqlen_k);
+        }
+        (KvSplit::Auto, [Some(d), Some(_)]) => {
+            // A mixed batch: only the decode-shaped launch splits; its
+            // partials are indexed by (sequence, row) so the workspace does
+            // not grow with the prefill tokens.
+            let decode_seqs: Vec<usize> = (0..n)
+                .filter(|&i| (1..=fits).contains(&host.q_len(i)))
+                .collect();
+            let max_keys = decode_seqs
+                .iter()
+                .map(|&i| host.seq_lens[i] as usize)
+                .max()
+                .unwrap_or(0);
+            d.segments = auto_segments(d, decode_seqs.len(), max_keys);
+            if d.segments > 1 {
+                ws_seq_rows = fits;
+            }
+        }
+        (KvSplit::Auto, _) => {}
+    }
     Ok(Plan {
         head,
         dv_chunks,
-        segments,
+        ws_seq_rows,
         parts,
     })
 }
 
-/// Programs of one instance resident on one SM: the shared-memory limit
-/// (228 KiB per SM, 1 KiB reserved per program) and the register limit
-/// (decode-shaped instances up to head size 128 are compiled for 3 per SM).
-fn resident_programs(kind: Kind, head: usize, fp8: bool) -> usize {
-    let by_smem = (228 * 1024) / (smem_bytes(kind, head, fp8) + 1024);
-    let by_regs = if kind == Kind::Decode && head <= 128 {
-        3
-    } else {
-        2
-    };
-    by_smem.min(by_regs).max(1)
+/// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64|128` forces the prefill tile's
+/// packed rows (up to head size 128), so that tests cover both instances
+/// whatever the batch size.
+fn prefill_tile_override() -> Option<usize> {
+    std::env::var("CANDLE_PAGED_ATTENTION_PREFILL_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&rows| rows == 64 || rows == 128)
 }
 
-/// The smallest segment count (up to `max_segments`) whose waves of `slots`
-/// resident programs come within 3% of perfectly filled ones, else the best.
+/// Programs of one instance resident on one SM: the shared-memory limit
+/// (228 KiB per SM, 1 KiB reserved per program) and the register limit
+/// (the launch bounds the instance was compiled with).
+fn resident_programs(tile: &TileShape, head: usize, fp8: bool) -> usize {
+    let by_smem = (228 * 1024) / (smem_bytes(tile, head, fp8) + 1024);
+    by_smem.min(tile.max_resident).max(1)
+}
+
+/// Segments per program for `active` programs on `slots` resident ones.
+/// Less than a wave: as many segments as still fit one wave. Otherwise the
+/// smallest count (up to `max_segments`) whose waves come within 3% of
+/// perfectly filled ones, else the count with the best-filled waves.
 fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
     let (active, slots) = (active.max(1), slots.max(1));
+    if active <= slots {
+        return (slots / active).clamp(1, max_segments.max(1));
+    }
     let waves = |s: usize| (active * s).div_ceil(slots) as f64 / s as f64;
     let ideal = active as f64 / slots as f64;
     (1..=max_segments)
@@ -250,7 +367,6 @@ fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
         })
 }
 
-/// The split-KV workspace and SM count of one device, reused across calls.
 struct Workspace {
     sms: usize,
     max_smem: usize,
@@ -414,6 +530,8 @@ fn launch(
         head_chunks: 1,
         q_len_min: 0,
         q_len_max: i32::MAX,
+        ws_seq_rows: 0,
+        seq_programs: 0,
         scale: params.scale * kv_scales.k_scale,
         softcap: params.active_softcap().unwrap_or(0.0),
         v_scale: kv_scales.v_scale,
@@ -461,12 +579,24 @@ fn launch(
         }
     };
     let plan = plan(params, dims, ws.sms)?;
-    p.num_segments = plan.segments as i32;
+    let segments = plan
+        .parts
+        .iter()
+        .flatten()
+        .map(|p| p.segments)
+        .max()
+        .unwrap_or(1);
+    let partial_rows = if plan.ws_seq_rows > 0 {
+        host.num_seqs() * plan.ws_seq_rows
+    } else {
+        dims.num_tokens
+    };
+    p.ws_seq_rows = plan.ws_seq_rows as i32;
 
-    // Split-KV partials: [num_tokens, num_heads, segments, head_size] outputs
-    // and [.., 2] (max, sum) pairs, in one reusable buffer.
-    let partials = dims.num_tokens * dims.num_heads * plan.segments;
-    let ws_len = if plan.segments > 1 {
+    // Split-KV partials: [partial_rows, num_heads, segments, head_size]
+    // outputs and [.., 2] (max, sum) pairs, in one reusable buffer.
+    let partials = partial_rows * dims.num_heads * segments;
+    let ws_len = if segments > 1 {
         partials * (hs + 2)
     } else {
         0
@@ -494,12 +624,15 @@ fn launch(
         p.head_chunks = part.head_chunks as i32;
         p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
         p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
+        p.num_segments = part.segments as i32;
+        p.seq_programs = (part.kind == Kind::Decode) as i32;
         let name = format!(
-            "unified_attention_h{}_{}_{dtype_name}{cache_suffix}",
+            "unified_attention_h{}_{}{}_{dtype_name}{cache_suffix}",
             plan.head,
-            part.kind.name()
+            part.kind.name(),
+            part.tile.suffix
         );
-        let smem = smem_bytes(part.kind, plan.head, cache_fp8);
+        let smem = smem_bytes(&part.tile, plan.head, cache_fp8);
         if smem > ws.max_smem {
             bail!(
                 "{OP}: head size {} needs {smem} bytes of shared memory per program, this device allows {}",
@@ -521,9 +654,9 @@ fn launch(
             grid_dim: (
                 grid_x,
                 (dims.num_kv_heads * part.head_chunks) as u32,
-                (plan.segments * plan.dv_chunks) as u32,
+                (part.segments * plan.dv_chunks) as u32,
             ),
-            block_dim: (THREADS, 1, 1),
+            block_dim: ((32 * part.tile.warps_m * part.tile.warps_n) as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         check_grid_yz(cfg.grid_dim)?;
@@ -537,11 +670,26 @@ fn launch(
         unsafe { b.launch(cfg) }.w()?;
     }
 
-    if plan.segments > 1 {
+    if segments > 1 {
+        // One program per partial row and head; with (sequence, row) rows,
+        // rows past a sequence's span or of the unsplit launch exit.
+        p.num_segments = segments as i32;
+        p.q_len_min = 0;
+        p.q_len_max = if plan.ws_seq_rows > 0 {
+            plan.ws_seq_rows as i32
+        } else {
+            i32::MAX
+        };
         let name = format!("reduce_segments_{dtype_name}");
         let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
+        let rows = u32::try_from(partial_rows)
+            .ok()
+            .filter(|&x| x < i32::MAX as u32)
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!("{OP}: {partial_rows} partial rows is too many"))
+            })?;
         let cfg = LaunchConfig {
-            grid_dim: (dims.num_tokens as u32, dims.num_heads as u32, 1),
+            grid_dim: (rows, dims.num_heads as u32, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -554,6 +702,31 @@ fn launch(
     }
     drop(ws_guard);
     Ok(())
+}
+
+/// How `forward` launches this call, in words: each part's tile shape and
+/// its split-KV segments (e.g. `decode split-kv(10)`, `decode + prefill`).
+pub(crate) fn describe(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    dev: &CudaDevice,
+    q_dtype: DType,
+) -> Result<String> {
+    if q_dtype == DType::F32 {
+        return Ok("scalar f32".to_string());
+    }
+    let (sms, _) = device_limits(dev)?;
+    let plan = plan(params, dims, sms)?;
+    let parts: Vec<String> = plan
+        .parts
+        .iter()
+        .flatten()
+        .map(|p| match p.segments {
+            1 => p.kind.name().to_string(),
+            s => format!("{} split-kv({s})", p.kind.name()),
+        })
+        .collect();
+    Ok(parts.join(" + "))
 }
 
 /// An uninitialised output buffer of `n` elements.
@@ -593,8 +766,10 @@ mod tests {
         for &head in &HEAD_SIZES {
             for kind in [Kind::Decode, Kind::Prefill] {
                 for fp8 in [false, true] {
-                    let s = smem_bytes(kind, head, fp8);
-                    assert!(s <= 227 * 1024, "{kind:?} h{head} fp8={fp8}: {s} bytes");
+                    for small in [false, true] {
+                        let s = smem_bytes(&tile_shape(kind, head, small), head, fp8);
+                        assert!(s <= 227 * 1024, "{kind:?} h{head} fp8={fp8}: {s} bytes");
+                    }
                 }
             }
         }

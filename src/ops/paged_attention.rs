@@ -382,6 +382,24 @@ impl CustomOp1 for PagedAttention<'_> {
     }
 }
 
+/// How the CUDA path launches `paged_attention(q, params)`, in words: the
+/// tile shape of each launch (`decode`: 16 packed query rows per program,
+/// `prefill`: 128 or 64) and its split-KV segments, e.g.
+/// `"decode split-kv(10)"` or `"decode split-kv(3) + prefill"`. For
+/// benchmarks and logs; `q` is `(num_tokens, num_heads, head_size)` on a
+/// CUDA device.
+#[cfg(feature = "cuda")]
+pub fn cuda_launch_plan(q: &Tensor, params: &PagedAttentionParams) -> Result<String> {
+    let dims = params.validate(q.dtype(), q.shape(), q.device())?;
+    match q.device() {
+        Device::Cuda(dev) => crate::cuda::paged_attention::describe(params, &dims, dev, q.dtype()),
+        other => bail!(
+            "{OP}: cuda_launch_plan needs a cuda device, got {:?}",
+            other.location()
+        ),
+    }
+}
+
 /// Paged attention for a mixed batch of prefills, chunked prefills and
 /// decodes, in one call.
 ///
