@@ -11,11 +11,13 @@
 //! `kv_dtype: "fp8"`, scales 1.0; the caches are written by
 //! `reshape_and_cache`), block tables from a random permutation of
 //! the cache's blocks, scale `1/sqrt(head_size)`, causal, the case's window;
-//! the split-KV policy is the library's automatic choice. One call with the
-//! output poisoned checks that every element is finite; then warm-up (at
-//! least 3 calls and 25 ms) and reps, each a 256 MiB memset (L2 flush), a
-//! start event, one forward, an end event, enqueued back to back with no
-//! host sync. The median, min and max over at least 20 reps (about 100 ms of
+//! the split-KV policy is the library's automatic choice (reported as `path`,
+//! from `cuda_launch_plan`). One call with the output poisoned checks that
+//! every element is finite; then one forward is captured in a CUDA graph
+//! (eager launches if the capture fails, reported as `timing`), and after a
+//! warm-up (at least 3 replays and 25 ms) come the reps, each a 256 MiB
+//! memset (L2 flush), a start event, one replay, an end event, enqueued back
+//! to back with no host sync. The median, min and max over at least 20 reps (about 100 ms of
 //! them, at most 200) are reported. The copy-bandwidth and bf16-matmul
 //! ceilings are measured in the same process.
 
@@ -29,7 +31,8 @@ use candle_core::cuda_backend::cudarc::driver::sys::{
 use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use candle_core::{DType, Device, Tensor};
 use candle_paged_attention::{
-    cuda_launch_plan, paged_attention, reshape_and_cache, KvScales, PagedAttentionParams, PagedBatch, SlotMapping,
+    cuda_launch_plan, paged_attention, reshape_and_cache, KvScales, PagedAttentionParams,
+    PagedBatch, SlotMapping,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -189,13 +192,7 @@ fn fill_random(kc: &Tensor, vc: &Tensor, rows: usize, dev: &Device) -> Result<()
     Ok(())
 }
 
-fn run_case(
-    c: &Value,
-    dev: &Device,
-    timer: &mut Timer,
-    args: &Args,
-    seed: u64,
-) -> Result<Value> {
+fn run_case(c: &Value, dev: &Device, timer: &mut Timer, args: &Args, seed: u64) -> Result<Value> {
     let name = field(c, "name")?.as_str().context("name")?;
     let (h, kvh, d, bs) = (
         uint(c, "num_heads")?,

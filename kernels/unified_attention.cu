@@ -1,16 +1,21 @@
 // Unified paged attention: one kernel body serves prefills, chunked prefills
 // and decodes of one batch, over a paged NHD cache.
 //
-// * `unified_attention_h{HEAD}_{decode|prefill}_{f16|bf16}[_fp8]`: tensor-core
-//   kernel. One program per (block of query rows, KV head[, head chunk],
-//   segment[, value chunk]). The query heads of one KV group are packed into
-//   the MMA M dimension (row r = query row r / GE, head r % GE). Key tiles
-//   are streamed through shared memory with cp.async, double buffered; each
-//   warp scores its rows against its keys with mma.sync m16n8k16 (f32
-//   accumulation) and keeps an online softmax; warps that split the keys of a
-//   tile are merged at the end. With one segment the program writes the
-//   output; with several it writes (max, sum, unnormalised output) partials
-//   that `reduce_segments_*` merges.
+// * `unified_attention_h{HEAD}_{decode|prefill|prefill_m1}_{f16|bf16}[_fp8]`:
+//   tensor-core kernel. One program per (block of query rows, KV head[, head
+//   chunk], segment[, value chunk]); decode-shaped launches run one program
+//   per sequence. The query heads of one KV group are packed into the MMA M
+//   dimension (row r = query row r / GE, head r % GE). Key tiles stream
+//   through a ring of shared-memory stages with cp.async (one block barrier
+//   per tile; the block-table entries a tile needs are read a tile ahead);
+//   each warp scores its MT x 16 rows against its keys with mma.sync
+//   m16n8k16 (f32 accumulation; every K/V fragment feeds MT MMAs) and keeps
+//   an online softmax, rescaling its accumulator only when a row's maximum
+//   moved; warps that split the keys of a tile are merged at the end. With
+//   one segment the program writes the output; with several it writes
+//   (max, sum, unnormalised output) partials that `reduce_segments_*`
+//   merges. fp8 caches are dequantised in shared memory to f16 and run f16
+//   MMAs, the queries scaled per row by a power of two into f16's range.
 // * `reduce_segments_{f16|bf16}`: merges the split-KV partials (and the sinks).
 // * `unified_attention_scalar_f32[_fp8]`: the f32 path, one warp per
 //   (query row, query head), one key at a time.

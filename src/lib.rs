@@ -60,11 +60,11 @@ pub mod ops;
 pub mod remap;
 
 pub use batch::{BatchHost, PagedBatch, PrefixRanges, SlotMapping};
+#[cfg(feature = "cuda")]
+pub use ops::paged_attention::cuda_launch_plan;
 pub use ops::paged_attention::{
     paged_attention, AttentionDims, KvSplit, PagedAttention, PagedAttentionParams, MAX_HEAD_SIZE,
 };
-#[cfg(feature = "cuda")]
-pub use ops::paged_attention::cuda_launch_plan;
 pub use ops::reshape_and_cache::{reshape_and_cache, ReshapeAndCache};
 pub use ops::KvScales;
 

@@ -1,13 +1,25 @@
 //! Launch plumbing of `PagedAttention` on CUDA: kernel choice, tile shape,
 //! split-KV segment count, the reusable split-KV workspace, and the launches.
 //!
-//! f16/bf16 queries run the tensor-core kernel (`unified_attention_h{HEAD}_{kind}_{dtype}[_fp8]`),
-//! either writing the output directly (one segment) or writing split-KV
-//! partials into the workspace that `reduce_segments_{dtype}` merges. f32
-//! queries run `unified_attention_scalar_f32[_fp8]`. Everything is decided
-//! from the batch's host copies: a forward makes no device-to-host copy and,
-//! once the workspace is large enough, no allocation besides its output, so
-//! it can be captured in a CUDA graph.
+//! f16/bf16 queries run the tensor-core kernel
+//! (`unified_attention_h{HEAD}_{kind}_{dtype}[_fp8]`), either writing the
+//! output directly (one segment) or writing split-KV partials into the
+//! workspace that `reduce_segments_{dtype}` merges. f32 queries run
+//! `unified_attention_scalar_f32[_fp8]`.
+//!
+//! * Tile shapes: sequences whose new tokens (times the packed heads of a KV
+//!   group) fit 16 rows run decode-shaped programs, one per sequence; longer
+//!   ones run prefill-shaped programs of 128 rows (64 when that launch has
+//!   less than a wave of programs, and for head sizes above 128). A batch
+//!   that mixes both is two launches.
+//! * Split-KV (`KvSplit::Auto`): a pure decode batch splits its keys so the
+//!   programs fill whole waves; in a mixed batch only the decode-shaped
+//!   launch splits, its partials indexed by (sequence, row).
+//!
+//! Everything is decided from the batch's host copies: a forward makes no
+//! device-to-host copy and, once the workspace is large enough, no
+//! allocation besides its output, so it can be captured in a CUDA graph
+//! (`examples/bench.rs` times graph replays).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -285,9 +297,7 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
     let auto_segments = |p: &Part, seqs: usize, max_keys: usize| {
         let active = seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
         let slots = resident_programs(&p.tile, head, fp8) * sms;
-        let keys = params
-            .sliding_window
-            .map_or(max_keys, |w| w.min(max_keys));
+        let keys = params.sliding_window.map_or(max_keys, |w| w.min(max_keys));
         choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
     };
     let mut parts = parts;
@@ -596,11 +606,7 @@ fn launch(
     // Split-KV partials: [partial_rows, num_heads, segments, head_size]
     // outputs and [.., 2] (max, sum) pairs, in one reusable buffer.
     let partials = partial_rows * dims.num_heads * segments;
-    let ws_len = if segments > 1 {
-        partials * (hs + 2)
-    } else {
-        0
-    };
+    let ws_len = if segments > 1 { partials * (hs + 2) } else { 0 };
     if ws_len > 0 && ws.buf.as_ref().is_none_or(|b| b.len() < ws_len) {
         ws.buf = None;
         // SAFETY: the kernels write every partial they later read; the reduce
