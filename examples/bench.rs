@@ -17,9 +17,9 @@
 //! (eager launches if the capture fails, reported as `timing`), and after a
 //! warm-up (at least 3 replays and 25 ms) come the reps, each a 256 MiB
 //! memset (L2 flush), a start event, one replay, an end event, enqueued back
-//! to back with no host sync. The median, min and max over at least 20 reps (about 100 ms of
-//! them, at most 200) are reported. The copy-bandwidth and bf16-matmul
-//! ceilings are measured in the same process.
+//! to back with no host sync. The median, min and max over at least 20 reps
+//! (about 100 ms of them, at most 200) are reported. The copy-bandwidth and
+//! bf16-matmul ceilings are measured in the same process.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -266,7 +266,7 @@ fn run_case(c: &Value, dev: &Device, timer: &mut Timer, args: &Args, seed: u64) 
         paged_attention(&q, &params)?;
         Ok(())
     };
-    let (stats, timing) = match capture(&timer.stream.clone(), forward) {
+    let (stats, timing) = match capture(&timer.stream, forward) {
         Ok(graph) => (
             timer.time(args, || Ok(graph.launch()?), args.min_reps)?,
             "graph",
