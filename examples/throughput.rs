@@ -1,0 +1,743 @@
+//! End-to-end throughput: N requests through the continuous-batching
+//! `Engine`, then the same requests through candle-transformers' dense
+//! model, side by side.
+//!
+//! ```text
+//! # SmolLM2-135M-Instruct (GGUF), 64 requests of 128 prompt + 128 new tokens:
+//! cargo run --release --features models,cuda --example throughput -- --device cuda
+//! # varied lengths, arriving at 20 requests/s:
+//! cargo run --release --features models,cuda --example throughput -- --device cuda \
+//!     --dist lognormal --prompt-len 256 --max-tokens 128 --request-rate 20
+//! # 32 copies of one prompt (the dense side batches them):
+//! cargo run --release --features models,cuda --example throughput -- --device cuda \
+//!     --num-requests 32 --same-prompt
+//! # on the CPU, tiny:
+//! cargo run --release --features models --example throughput -- --dequantize \
+//!     --num-requests 4 --prompt-len 32 --max-tokens 8
+//! # a Llama-3-8B-shaped model with random bf16 weights (no download):
+//! cargo run --release --features models,cuda --example throughput -- --device cuda \
+//!     --model llama3-8b-random --num-requests 1 --ref-requests 1
+//! # the same on the CPU, shrunk:
+//! cargo run --release --features models --example throughput -- --model llama3-8b-random \
+//!     --layers 2 --hidden 256 --intermediate 512 --heads 4 --kv-heads 2 --vocab 4096 \
+//!     --num-requests 4 --prompt-len 32 --max-tokens 8
+//! ```
+//!
+//! Workload (all seeded by `--seed`):
+//! * `--num-requests N`; `--dist fixed|uniform|lognormal` draws the prompt
+//!   length (`--prompt-len` mean, `--prompt-len-min/-max`) and the output
+//!   length (`--max-tokens` mean, `--max-tokens-min/-max`); `fixed` gives
+//!   every request the mean, `uniform` is on `[min, max]` (default
+//!   `[mean/2, 3*mean/2]`), `lognormal` has the stated mean and shape
+//!   `--sigma`, clamped to `[min, max]` (default `[1, 4*mean]`).
+//! * Prompts are random token ids (special and control tokens excluded);
+//!   `--same-prompt` makes every prompt a prefix of one sequence,
+//!   `--shared-prefix K` shares the first K tokens. Decoding is greedy with
+//!   no stop token, so every request produces exactly its output length on
+//!   both sides.
+//! * Requests arrive at t = 0, or as a Poisson process of `--request-rate`
+//!   requests per second.
+//!
+//! Models:
+//! * `--model smollm2` (default): SmolLM2-135M-Instruct from
+//!   `scripts/fetch-smollm2.sh` (or `--gguf PATH`), the paged
+//!   `QuantizedLlama` against candle-transformers' `quantized_llama`.
+//!   `--dequantize` loads f32 weights on both sides.
+//! * `--model llama3-8b-random`: Llama-3-8B's shape (`--layers 32 --hidden
+//!   4096 --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256`, rope
+//!   theta 500000) with seeded random weights (`--weight-std`, norms at 1)
+//!   in `--dtype` (bf16), one set of tensors loaded by the paged `Llama` and
+//!   by candle-transformers' `llama`. The CPU refuses shapes over 4 GiB.
+//!
+//! Engine: `--block-size`, `--num-blocks` or `--kv-memory-mb` (default:
+//! blocks for the `--max-num-seqs` longest requests at full length, so no
+//! preemption is needed), `--chunk-tokens` (token budget of a step),
+//! `--max-num-seqs`, `--prefix-caching`.
+//!
+//! Reported for each side: requests/s and generated tokens/s over the run's
+//! wall time; time to first token (from each request's arrival) and
+//! inter-token latency (every gap between two tokens of a request), p50 and
+//! p99, each token timed with `Instant` when it reaches the host (the
+//! engine's `step` events; the dense side's argmax copy); for the engine,
+//! preemptions, peak KV blocks (an estimate, see `paged.rs`) and
+//! prefix-cache hits (n/a: not reported). The dense side runs one request
+//! at a time (the first `--ref-requests`), and in batches of
+//! `--max-num-seqs` when all requests have one prompt length and one output
+//! length and arrive together. The batch-1 decode floor is the weight bytes
+//! a step reads over `--copy-bandwidth-gbs` (default 4300, an H200's
+//! measured copy bandwidth). `--json PATH` writes everything as JSON;
+//! `--no-reference` skips the dense side, `--no-warmup` the warm-up request.
+
+#[path = "throughput/paged.rs"]
+mod paged;
+#[path = "throughput/reference.rs"]
+mod reference;
+#[path = "throughput/stats.rs"]
+mod stats;
+#[path = "throughput/workload.rs"]
+mod workload;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_paged_attention::models::generation::SchedulerConfig;
+use candle_paged_attention::models::{
+    llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
+};
+use candle_paged_attention::{num_blocks_for_budget, Attention};
+use candle_transformers::models as ct;
+use clap::{Parser, ValueEnum};
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+use serde_json::json;
+
+use reference::{DenseRef, QuantizedRef, Reference};
+use stats::RunStats;
+use workload::{Dist, LenDist, WorkloadSpec};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ModelKind {
+    /// SmolLM2-135M-Instruct, GGUF.
+    Smollm2,
+    /// A Llama-3-8B-shaped model with random weights.
+    Llama3_8bRandom,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Throughput of the paged engine against candle-transformers' dense models")]
+struct Args {
+    /// Which model.
+    #[arg(long, value_enum, default_value = "smollm2")]
+    model: ModelKind,
+    /// cpu or cuda (cuda needs --features cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// A SmolLM2 (Llama-architecture) GGUF file; default: scripts/fetch-smollm2.sh.
+    #[arg(long)]
+    gguf: Option<PathBuf>,
+    /// Dequantize GGUF weights to f32 on both sides.
+    #[arg(long)]
+    dequantize: bool,
+
+    /// Requests in the run.
+    #[arg(long, default_value_t = 64)]
+    num_requests: usize,
+    /// Length distribution of prompts and outputs.
+    #[arg(long, value_enum, default_value = "fixed")]
+    dist: Dist,
+    /// Prompt length (the mean for uniform and lognormal).
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    #[arg(long)]
+    prompt_len_min: Option<usize>,
+    #[arg(long)]
+    prompt_len_max: Option<usize>,
+    /// Generated tokens per request (the mean for uniform and lognormal).
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    #[arg(long)]
+    max_tokens_min: Option<usize>,
+    #[arg(long)]
+    max_tokens_max: Option<usize>,
+    /// Shape of the lognormal distribution (sigma of the underlying normal).
+    #[arg(long, default_value_t = 0.5)]
+    sigma: f64,
+    /// Poisson arrivals at this many requests per second; default: all at t = 0.
+    #[arg(long)]
+    request_rate: Option<f64>,
+    /// Every prompt is a prefix of one token sequence.
+    #[arg(long)]
+    same_prompt: bool,
+    /// The first K tokens of every prompt are the same.
+    #[arg(long, default_value_t = 0)]
+    shared_prefix: usize,
+    /// Seed of lengths, prompt tokens, arrivals and random weights.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+
+    /// Tokens per cache block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV cache blocks per layer (overrides --kv-memory-mb).
+    #[arg(long)]
+    num_blocks: Option<usize>,
+    /// KV cache budget in MiB over all layers; default: enough blocks for
+    /// the --max-num-seqs longest requests.
+    #[arg(long)]
+    kv_memory_mb: Option<usize>,
+    /// Token budget of one engine step (prompts are prefilled in chunks).
+    #[arg(long, default_value_t = 512)]
+    chunk_tokens: usize,
+    /// Sequences running at once (also the dense side's batch size).
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Share cached prompt blocks between sequences.
+    #[arg(long)]
+    prefix_caching: bool,
+
+    /// Decoder layers of the random Llama.
+    #[arg(long, default_value_t = 32)]
+    layers: usize,
+    /// Hidden size of the random Llama.
+    #[arg(long, default_value_t = 4096)]
+    hidden: usize,
+    /// MLP width of the random Llama.
+    #[arg(long, default_value_t = 14336)]
+    intermediate: usize,
+    /// Query heads of the random Llama.
+    #[arg(long, default_value_t = 32)]
+    heads: usize,
+    /// KV heads of the random Llama.
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    /// Vocabulary of the random Llama.
+    #[arg(long, default_value_t = 128256)]
+    vocab: usize,
+    /// Weight dtype of the random Llama: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Standard deviation of the random weights.
+    #[arg(long, default_value_t = 0.02)]
+    weight_std: f64,
+
+    /// Copy bandwidth in GB/s for the weight-read floor (H200: about 4300).
+    #[arg(long, default_value_t = 4300.0)]
+    copy_bandwidth_gbs: f64,
+    /// Skip candle-transformers.
+    #[arg(long)]
+    no_reference: bool,
+    /// Run the one-at-a-time reference on the first N requests only.
+    #[arg(long)]
+    ref_requests: Option<usize>,
+    /// Skip the untimed warm-up request on each side.
+    #[arg(long)]
+    no_warmup: bool,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Both sides of one model, and what the report needs to know about it.
+struct Loaded {
+    paged: Box<dyn PagedModel>,
+    reference: Option<Box<dyn Reference>>,
+    /// Token ids prompts are drawn from.
+    pool: Vec<u32>,
+    /// Weight bytes one decode step reads (an untied embedding table is
+    /// only gathered from, so it is left out).
+    step_weight_bytes: usize,
+    /// Longest context (prompt + output) both sides support.
+    max_context: usize,
+    description: String,
+}
+
+fn fetch_smollm2() -> Result<PathBuf> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-smollm2.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} failed", script.display());
+    }
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
+/// Ids of the GGUF vocabulary's ordinary tokens (token type 1; control,
+/// user-defined, unknown and byte tokens are left out).
+fn ordinary_tokens(ct: &gguf_file::Content) -> Result<Vec<u32>> {
+    let vocab = match ct.tensor_infos.get("token_embd.weight") {
+        Some(t) => t.shape.dims()[0],
+        None => bail!("the GGUF file has no token_embd.weight"),
+    };
+    let Some(types) = ct.metadata.get("tokenizer.ggml.token_type") else {
+        return Ok((0..vocab as u32).collect());
+    };
+    let types = types.to_vec()?;
+    let mut ids = Vec::with_capacity(vocab);
+    for (id, t) in types.iter().enumerate().take(vocab) {
+        if t.to_i32()? == 1 {
+            ids.push(id as u32);
+        }
+    }
+    Ok(ids)
+}
+
+/// Bytes of the weights a decode step reads: every tensor at its stored
+/// size (f32 when dequantized), without `token_embd` when a separate
+/// `output` matrix exists.
+fn gguf_step_bytes(ct: &gguf_file::Content, dequantize: bool) -> usize {
+    let bytes = |info: &gguf_file::TensorInfo| {
+        let n = info.shape.elem_count();
+        if dequantize {
+            4 * n
+        } else {
+            n / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()
+        }
+    };
+    let total: usize = ct.tensor_infos.values().map(bytes).sum();
+    match (
+        ct.tensor_infos.get("output.weight"),
+        ct.tensor_infos.get("token_embd.weight"),
+    ) {
+        (Some(_), Some(embd)) => total - bytes(embd),
+        _ => total,
+    }
+}
+
+fn load_smollm2(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
+    let path = match &args.gguf {
+        Some(p) => p.clone(),
+        None => fetch_smollm2()?,
+    };
+    let open = || -> Result<(std::fs::File, gguf_file::Content)> {
+        let mut f =
+            std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        let ct = gguf_file::Content::read(&mut f)?;
+        Ok((f, ct))
+    };
+    let (mut file, ct) = open()?;
+    let paged: Box<dyn PagedModel> = if args.dequantize {
+        Box::new(quantized_llama::QuantizedLlama::from_gguf_dequantized(
+            &ct, &mut file, dev, opts,
+        )?)
+    } else {
+        Box::new(quantized_llama::QuantizedLlama::from_gguf(
+            &ct, &mut file, dev, opts,
+        )?)
+    };
+    let reference: Option<Box<dyn Reference>> = if args.no_reference {
+        None
+    } else {
+        // candle-transformers' loader takes the content by value.
+        let (mut f, ct) = open()?;
+        let m = ct::quantized_llama::ModelWeights::from_gguf(ct, &mut f, dev)?;
+        Some(Box::new(QuantizedRef(m)))
+    };
+    let name = ct
+        .metadata
+        .get("general.name")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_else(|| path.display().to_string());
+    let context_length = ct
+        .metadata
+        .get("llama.context_length")
+        .and_then(|v| v.to_u32().ok())
+        .map_or(usize::MAX, |n| n as usize);
+    let wtype = ct
+        .tensor_infos
+        .get("blk.0.attn_q.weight")
+        .map(|t| format!("{:?}", t.ggml_dtype))
+        .unwrap_or_default();
+    Ok(Loaded {
+        paged,
+        reference,
+        pool: ordinary_tokens(&ct)?,
+        step_weight_bytes: gguf_step_bytes(&ct, args.dequantize),
+        // candle-transformers' rotary table ends at its MAX_SEQ_LEN (4096).
+        max_context: ct::quantized_llama::MAX_SEQ_LEN.min(context_length),
+        description: if args.dequantize {
+            format!("{name} (GGUF {wtype}, dequantized to f32 on both sides)")
+        } else {
+            format!("{name} (GGUF {wtype}, quantized matmuls)")
+        },
+    })
+}
+
+/// Llama 3 8B's configuration with the shape flags applied.
+fn llama3_config(args: &Args) -> llama::Config {
+    llama::Config {
+        hidden_size: args.hidden,
+        intermediate_size: args.intermediate,
+        vocab_size: args.vocab,
+        num_hidden_layers: args.layers,
+        num_attention_heads: args.heads,
+        num_key_value_heads: args.kv_heads,
+        use_flash_attn: false,
+        rms_norm_eps: 1e-5,
+        rope_theta: 500_000.0,
+        bos_token_id: None,
+        eos_token_id: None,
+        rope_scaling: None,
+        max_position_embeddings: 8192,
+        tie_word_embeddings: false,
+    }
+}
+
+/// Name, shape and "is a norm weight" of every tensor a Hugging Face Llama
+/// checkpoint of `cfg` holds (what both loaders ask their VarBuilder for).
+fn llama_tensor_shapes(cfg: &llama::Config) -> Vec<(String, Vec<usize>, bool)> {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let kv = cfg.num_key_value_heads * (h / cfg.num_attention_heads);
+    let mut v = vec![
+        (
+            "model.embed_tokens.weight".into(),
+            vec![cfg.vocab_size, h],
+            false,
+        ),
+        ("model.norm.weight".into(), vec![h], true),
+    ];
+    if !cfg.tie_word_embeddings {
+        v.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], false));
+    }
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        v.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h], true),
+            (
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                true,
+            ),
+            (format!("{p}.self_attn.q_proj.weight"), vec![h, h], false),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, h], false),
+            (format!("{p}.mlp.gate_proj.weight"), vec![i, h], false),
+            (format!("{p}.mlp.up_proj.weight"), vec![i, h], false),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, i], false),
+        ]);
+    }
+    v
+}
+
+/// Seeded random weights: normal with standard deviation `std` for
+/// matrices, ones for norms. On CUDA the device's generator draws them
+/// (seeded once); on the CPU a seeded host generator does.
+fn random_weights(
+    cfg: &llama::Config,
+    std: f64,
+    dtype: DType,
+    seed: u64,
+    dev: &Device,
+) -> Result<HashMap<String, Tensor>> {
+    if dev.is_cuda() {
+        dev.set_seed(seed)?;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let normal = Normal::new(0f32, std as f32)?;
+    let mut out = HashMap::new();
+    for (name, shape, norm) in llama_tensor_shapes(cfg) {
+        let t = if norm {
+            Tensor::ones(shape, dtype, dev)?
+        } else if dev.is_cuda() {
+            Tensor::randn(0f32, std as f32, shape, dev)?.to_dtype(dtype)?
+        } else {
+            let n = shape.iter().product();
+            let data: Vec<f32> = (0..n).map(|_| normal.sample(&mut rng)).collect();
+            Tensor::from_vec(data, shape, dev)?.to_dtype(dtype)?
+        };
+        out.insert(name, t);
+    }
+    Ok(out)
+}
+
+fn load_llama3_random(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
+    let dtype = match args.dtype.as_str() {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f32" => DType::F32,
+        d => bail!("--dtype must be bf16, f16 or f32, got {d}"),
+    };
+    if args.heads == 0
+        || args.kv_heads == 0
+        || !args.hidden.is_multiple_of(args.heads)
+        || !args.heads.is_multiple_of(args.kv_heads)
+    {
+        bail!(
+            "--hidden {} must be a multiple of --heads {}, itself a multiple of --kv-heads {} (all positive)",
+            args.hidden,
+            args.heads,
+            args.kv_heads
+        );
+    }
+    let cfg = llama3_config(args);
+    let shapes = llama_tensor_shapes(&cfg);
+    let numel = |s: &[usize]| s.iter().product::<usize>();
+    let total: usize = shapes.iter().map(|(_, s, _)| numel(s)).sum();
+    let bytes = total * dtype.size_in_bytes();
+    if dev.is_cpu() && bytes > 4 << 30 {
+        bail!(
+            "the random Llama of this shape holds {:.1} GiB of weights, too much for the CPU; shrink it, e.g. --layers 2 --hidden 256 --intermediate 512 --heads 4 --kv-heads 2 --vocab 4096",
+            bytes as f64 / (1u64 << 30) as f64
+        );
+    }
+    let embed = cfg.vocab_size * cfg.hidden_size * dtype.size_in_bytes();
+    let vb = VarBuilder::from_tensors(
+        random_weights(&cfg, args.weight_std, dtype, args.seed, dev)?,
+        dtype,
+        dev,
+    );
+    let paged = llama::Llama::load(vb.clone(), &cfg, opts)?;
+    let reference: Option<Box<dyn Reference>> = if args.no_reference {
+        None
+    } else {
+        let m = ct::llama::Llama::load(vb, &cfg)?;
+        Some(Box::new(DenseRef::new(m, cfg.clone(), dtype, dev)?))
+    };
+    Ok(Loaded {
+        paged: Box::new(paged),
+        reference,
+        pool: (0..cfg.vocab_size as u32).collect(),
+        step_weight_bytes: bytes - if cfg.tie_word_embeddings { 0 } else { embed },
+        max_context: cfg.max_position_embeddings,
+        description: format!(
+            "Llama-3-8B-shaped, random {dtype:?} weights (std {}): {} layers, hidden {}, MLP {}, {} heads, {} KV heads, vocab {}, {:.1}M parameters",
+            args.weight_std,
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.vocab_size,
+            total as f64 / 1e6
+        ),
+    })
+}
+
+/// Requests whose tokens equal the engine's, of those compared.
+fn count_equal(engine: &[Vec<u32>], other: &[Vec<u32>]) -> (usize, usize) {
+    let eq = engine.iter().zip(other).filter(|(a, b)| a == b).count();
+    (eq, other.len())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.dequantize {
+        // candle's QMatMul reads this on first use: candle-transformers'
+        // quantized_llama then holds f32 weights like our dequantized model.
+        std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    }
+    let dev = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
+        d => bail!("--device must be cpu or cuda, got {d}"),
+    };
+    let opts = PagedOptions {
+        block_size: args.block_size,
+        ..Default::default()
+    };
+    let start = std::time::Instant::now();
+    let mut loaded = match args.model {
+        ModelKind::Smollm2 => load_smollm2(&args, &dev, opts)?,
+        ModelKind::Llama3_8bRandom => load_llama3_random(&args, &dev, opts)?,
+    };
+    eprintln!("loaded in {:.2?}: {}", start.elapsed(), loaded.description);
+
+    let spec = WorkloadSpec {
+        num_requests: args.num_requests,
+        prompt: LenDist::new(
+            "prompt length",
+            args.dist,
+            args.prompt_len,
+            args.prompt_len_min,
+            args.prompt_len_max,
+            args.sigma,
+        )?,
+        output: LenDist::new(
+            "output length",
+            args.dist,
+            args.max_tokens,
+            args.max_tokens_min,
+            args.max_tokens_max,
+            args.sigma,
+        )?,
+        request_rate: args.request_rate,
+        same_prompt: args.same_prompt,
+        shared_prefix: args.shared_prefix,
+        seed: args.seed,
+    };
+    let longest = spec.prompt.max() + spec.output.max();
+    if longest > loaded.max_context {
+        bail!(
+            "prompt + output lengths reach {longest} tokens, more than the {} both models support",
+            loaded.max_context
+        );
+    }
+    let work = workload::build(&spec, &loaded.pool)?;
+    let prompt_tokens: usize = work.iter().map(|w| w.prompt.len()).sum();
+    let output_tokens: usize = work.iter().map(|w| w.max_tokens).sum();
+    let drawn = |v: Vec<usize>| {
+        format!(
+            "drawn: mean {:.1}, min {}, max {}",
+            v.iter().sum::<usize>() as f64 / v.len() as f64,
+            v.iter().min().unwrap_or(&0),
+            v.iter().max().unwrap_or(&0)
+        )
+    };
+    let prompt_desc = format!(
+        "{} ({})",
+        spec.prompt.describe(),
+        drawn(work.iter().map(|w| w.prompt.len()).collect())
+    );
+    let output_desc = format!(
+        "{} ({})",
+        spec.output.describe(),
+        drawn(work.iter().map(|w| w.max_tokens).collect())
+    );
+    let arrivals = match args.request_rate {
+        Some(r) => format!("Poisson at {r} requests/s (seeded)"),
+        None => "all at t = 0".into(),
+    };
+
+    let model = loaded.paged.as_ref();
+    let layers: Vec<&Attention> = model.attention_layers();
+    let bs = args.block_size;
+    let num_blocks = match (args.num_blocks, args.kv_memory_mb) {
+        (Some(n), _) => n,
+        (None, Some(mb)) => num_blocks_for_budget(
+            mb << 20,
+            layers.len(),
+            bs,
+            layers[0].num_kv_heads(),
+            layers[0].head_size(),
+            model.dtype(),
+        )?,
+        (None, None) => {
+            let mut need: Vec<usize> = work
+                .iter()
+                .map(|w| (w.prompt.len() + w.max_tokens).div_ceil(bs))
+                .collect();
+            need.sort_unstable_by(|a, b| b.cmp(a));
+            need.iter().take(args.max_num_seqs).sum::<usize>().max(1)
+        }
+    };
+    let cache_config = CacheConfig {
+        prefix_caching: args.prefix_caching,
+        ..CacheConfig::new(num_blocks)
+    };
+    let cache = PagedKvCache::new(&layers, cache_config, model.dtype(), &dev)?;
+    let kv_mib = cache.memory_bytes() as f64 / (1 << 20) as f64;
+    let sched = SchedulerConfig {
+        max_batch_tokens: args.chunk_tokens,
+        max_num_seqs: args.max_num_seqs,
+    };
+    let path = format!(
+        "device {:?}, activations {:?}, KV cache {} layers x {num_blocks} blocks of {bs} tokens ({kv_mib:.1} MiB{}), step budget {} tokens, at most {} sequences; decode path: not reported by the engine",
+        dev.location(),
+        model.dtype(),
+        layers.len(),
+        if args.prefix_caching { ", prefix caching" } else { "" },
+        args.chunk_tokens,
+        args.max_num_seqs
+    );
+    eprintln!(
+        "workload: {} requests, prompt {prompt_desc}, output {output_desc}, {prompt_tokens} prompt and {output_tokens} output tokens in all, arrivals {arrivals}, seed {}",
+        work.len(),
+        args.seed
+    );
+    eprintln!("paged engine: {path}");
+
+    let warm_prompt: Vec<u32> = work[0].prompt.iter().take(16).copied().collect();
+    let warm = (!args.no_warmup).then_some(warm_prompt.as_slice());
+    let engine = paged::run(model, cache, sched, &work, warm)?;
+    eprintln!(
+        "paged engine: {:.3}s, {:.1} generated tok/s",
+        engine.stats.wall_s,
+        engine.stats.tokens_per_s()
+    );
+
+    let mut refs: Vec<RunStats> = Vec::new();
+    let mut ref_prefill = None;
+    if let Some(r) = loaded.reference.as_deref_mut() {
+        if let Some(p) = warm {
+            reference::warm_up(r, p, &dev)?;
+        }
+        let n = args.ref_requests.unwrap_or(work.len()).clamp(1, work.len());
+        let (mut s, out) = reference::run_sequential(r, &work[..n], &dev)?;
+        s.identical_outputs = Some(count_equal(&engine.outputs, &out));
+        eprintln!(
+            "candle-transformers one at a time: {} requests in {:.3}s",
+            n, s.wall_s
+        );
+        refs.push(s);
+        if workload::batchable(&work) {
+            let (mut s, out, prefill) =
+                reference::run_batched(r, &work, args.max_num_seqs.max(1), &dev)?;
+            s.identical_outputs = Some(count_equal(&engine.outputs, &out));
+            eprintln!("{}: {:.3}s", s.label, s.wall_s);
+            refs.push(s);
+            ref_prefill = Some(prefill);
+        }
+    }
+
+    let floor_s = loaded.step_weight_bytes as f64 / (args.copy_bandwidth_gbs * 1e9);
+    println!("\n## Throughput: {}\n", loaded.description);
+    println!(
+        "{} requests; prompt {prompt_desc}; output {output_desc}; arrivals {arrivals}; seed {}; greedy, no stop tokens.\n",
+        work.len(),
+        args.seed
+    );
+    print!("{}", stats::table(&engine.stats, &refs));
+    println!(
+        "\nRatios are \"times better\": throughput engine / reference, latency reference / engine."
+    );
+    println!(
+        "Greedy outputs may part at near-ties of the logits (batching changes summation order; quantized matmuls round activations to 8 bits); both sides generate the same number of tokens either way."
+    );
+    println!("Path: {path}.");
+    match &ref_prefill {
+        Some(reference::Prefill::PerPosition(e)) => println!(
+            "The batched reference prefills one position per forward (its whole-prompt batch forward failed: {e})."
+        ),
+        Some(reference::Prefill::Whole) => {
+            println!("The batched reference prefills each batch in one forward.")
+        }
+        None if !refs.is_empty() => println!(
+            "No batched reference: it needs one prompt length, one output length and all arrivals at t = 0."
+        ),
+        None => {}
+    }
+    println!(
+        "Weight-read floor of a batch-1 decode step: {:.3} GB / {} GB/s = {:.4} ms ({:.0} tok/s); measured ITL p50: engine {:.3} ms (up to {} sequences per step){}.",
+        loaded.step_weight_bytes as f64 / 1e9,
+        args.copy_bandwidth_gbs,
+        floor_s * 1e3,
+        1.0 / floor_s,
+        engine.stats.itl_ms(50.0),
+        engine.stats.max_batch,
+        refs.first()
+            .map(|r| format!(", candle-transformers one at a time {:.3} ms", r.itl_ms(50.0)))
+            .unwrap_or_default()
+    );
+
+    if let Some(p) = &args.json {
+        let v = json!({
+            "model": loaded.description,
+            "path": path,
+            "workload": {
+                "requests": work.len(),
+                "prompt": prompt_desc,
+                "output": output_desc,
+                "prompt_tokens": prompt_tokens,
+                "output_tokens": output_tokens,
+                "arrivals": arrivals,
+                "same_prompt": args.same_prompt,
+                "shared_prefix": args.shared_prefix,
+                "seed": args.seed,
+            },
+            "engine": engine.stats.to_json(),
+            "references": refs.iter().map(RunStats::to_json).collect::<Vec<_>>(),
+            "batched_reference_prefill": ref_prefill.map(|p| match p {
+                reference::Prefill::Whole => "whole prompt".to_string(),
+                reference::Prefill::PerPosition(e) => format!("one position per forward ({e})"),
+            }),
+            "floor": {
+                "step_weight_bytes": loaded.step_weight_bytes,
+                "copy_bandwidth_gbs": args.copy_bandwidth_gbs,
+                "batch1_decode_step_ms": floor_s * 1e3,
+            },
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
