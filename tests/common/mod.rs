@@ -19,8 +19,8 @@
 /// [`device::cuda_device`] for the environment a GPU run needs).
 ///
 /// Two forms:
-/// * Around a body whose first parameter is the device; the function is an
-///   `rstest` function, so `#[case]`/`#[values]` attributes work as usual and
+/// * Around a body whose first parameter is the device and which returns
+///   `anyhow::Result<()>`; the function is an `rstest` function, so `#[case]`/`#[values]` attributes work as usual and
 ///   every case runs on both devices:
 ///   ```ignore
 ///   device_test! {
