@@ -57,6 +57,7 @@ pub mod metadata;
 #[cfg(feature = "models")]
 pub mod models;
 pub mod ops;
+pub mod reference;
 pub mod remap;
 
 pub use batch::{BatchHost, PagedBatch, PrefixRanges, SlotMapping};

@@ -1,6 +1,11 @@
 //! The attention layer driven by the block manager through simulated
 //! generations, checked step by step against dense attention over each
-//! sequence's full history, computed here independently in f64.
+//! sequence's full history, computed here independently in f64. Each body
+//! runs as `NAME::cpu` and, with the `cuda` feature, as `NAME::cuda` (see
+//! `common::device`).
+
+#[macro_use]
+mod common;
 
 use std::collections::HashMap;
 
@@ -811,31 +816,7 @@ fn single_token_prefill(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-macro_rules! device_tests {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(#[test]
-            fn $name() -> anyhow::Result<()> {
-                super::$name(&candle_core::Device::Cpu)
-            })*
-        }
-        #[cfg(feature = "cuda")]
-        mod cuda {
-            $(#[test]
-            fn $name() -> anyhow::Result<()> {
-                match candle_core::Device::new_cuda(0) {
-                    Ok(dev) => super::$name(&dev),
-                    Err(e) => {
-                        eprintln!("skipping {}: no CUDA device ({e})", stringify!($name));
-                        Ok(())
-                    }
-                }
-            })*
-        }
-    };
-}
-
-device_tests!(
+device_test!(
     full_causal_generation,
     sliding_window_generation,
     chunked_local_generation,

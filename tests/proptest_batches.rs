@@ -1,13 +1,17 @@
 //! Property test: random mixed batches (decodes, prefills, chunked prefills,
 //! sequences with no new token) with random shapes and features match the
-//! f64 oracle on the CPU.
+//! f64 reference, as `NAME::cpu` and, with the `cuda` feature, `NAME::cuda`
+//! (see `common::device`).
 
+#[macro_use]
 mod common;
 
+use anyhow::Result;
 use candle_core::{DType, Device};
 use candle_paged_attention::KvSplit;
 use common::*;
 use proptest::prelude::*;
+use proptest::test_runner::{Config, TestError, TestRunner};
 
 /// `(q_len, seq_len)` of one sequence.
 fn seq() -> impl Strategy<Value = (usize, usize)> {
@@ -110,16 +114,31 @@ fn tiny_case() -> impl Strategy<Value = Case> {
         )
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
-
-    #[test]
-    fn random_batches_match_oracle(case in case()) {
-        check_case(&case, &Device::Cpu).map_err(|e| TestCaseError::fail(format!("{e:#}")))?;
+/// Runs `check_case` on 256 cases drawn from `strategy` (proptest shrinks a
+/// failing case and reports the smallest it finds).
+fn check_cases(strategy: impl Strategy<Value = Case>, dev: &Device) -> Result<()> {
+    let config = Config {
+        source_file: Some(file!()),
+        ..Config::with_cases(256)
+    };
+    let result = TestRunner::new(config).run(&strategy, |case| {
+        check_case(&case, dev).map_err(|e| TestCaseError::fail(format!("{e:#}")))
+    });
+    match result {
+        Ok(()) => Ok(()),
+        Err(TestError::Fail(why, case)) => anyhow::bail!("{why}\nminimal failing case: {case:?}"),
+        Err(TestError::Abort(why)) => anyhow::bail!("proptest aborted: {why}"),
     }
+}
 
-    #[test]
-    fn tiny_batches_match_oracle(case in tiny_case()) {
-        check_case(&case, &Device::Cpu).map_err(|e| TestCaseError::fail(format!("{e:#}")))?;
+device_test! {
+    fn random_batches_match_oracle(dev: &Device) -> Result<()> {
+        check_cases(case(), dev)
+    }
+}
+
+device_test! {
+    fn tiny_batches_match_oracle(dev: &Device) -> Result<()> {
+        check_cases(tiny_case(), dev)
     }
 }

@@ -1,0 +1,62 @@
+//! The GPU side of the harness: which device a GPU test runs on and what
+//! its environment must say.
+//!
+//! A build with the `cuda` feature runs every `NAME::cuda` test on CUDA
+//! device 0, and the run's environment must set:
+//! * `CANDLE_PAGED_ATTENTION_POISON=1`: the CUDA path fills its outputs and
+//!   workspaces with NaN before every launch, so an element the kernels do not
+//!   write fails the finiteness checks. A GPU test fails when it is not set
+//!   (tests never set environment variables themselves).
+//! * `CANDLE_PAGED_ATTENTION_SKIP_GPU=1`, only where there is no GPU (a
+//!   compile check, say): GPU tests then print `SKIPPED <test>` and pass.
+//!   Without it, a GPU test with no CUDA device fails.
+//! * optionally `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64` or `128`, which
+//!   forces the prefill tile's row count: run the suite once with each to
+//!   cover both prefill instances.
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+
+/// Lets GPU tests pass (printing `SKIPPED`) when there is no CUDA device.
+pub const SKIP_GPU_VAR: &str = "CANDLE_PAGED_ATTENTION_SKIP_GPU";
+/// Read by the CUDA path: fill outputs with NaN before every launch.
+pub const POISON_VAR: &str = "CANDLE_PAGED_ATTENTION_POISON";
+
+/// True when `var` is set to something other than empty or `0` (the rule
+/// the library applies to `CANDLE_PAGED_ATTENTION_POISON`).
+fn flag(var: &str) -> bool {
+    std::env::var_os(var).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// The running test's name (libtest names each test's thread after it).
+fn test_name() -> String {
+    std::thread::current()
+        .name()
+        .filter(|n| *n != "main")
+        .unwrap_or("this test")
+        .to_string()
+}
+
+/// CUDA device 0 for a GPU test, `Ok(None)` when the test is to be skipped
+/// (no device and `CANDLE_PAGED_ATTENTION_SKIP_GPU=1`, with a `SKIPPED`
+/// line), or an error naming the test and the variable to set: no device
+/// without the skip variable, or a device without
+/// `CANDLE_PAGED_ATTENTION_POISON=1`.
+pub fn cuda_device() -> Result<Option<Device>> {
+    let test = test_name();
+    match Device::new_cuda(0) {
+        Ok(dev) if flag(POISON_VAR) => Ok(Some(dev)),
+        Ok(_) => bail!(
+            "{test}: GPU tests need {POISON_VAR}=1 in their environment (the CUDA path then \
+             fills outputs with NaN before every launch, so unwritten elements fail the checks)"
+        ),
+        Err(e) if flag(SKIP_GPU_VAR) => {
+            eprintln!("SKIPPED {test}: no CUDA device ({e}); {SKIP_GPU_VAR} is set");
+            Ok(None)
+        }
+        Err(e) => bail!(
+            "{test}: no CUDA device ({e}); GPU tests run on CUDA device 0 \
+             (set {SKIP_GPU_VAR}=1 to skip them where there is none)"
+        ),
+    }
+}
