@@ -631,13 +631,21 @@ fn engine_rejects_what_cannot_run() -> Result<()> {
     let err = engine.add_request(bad).unwrap_err().to_string();
     assert!(err.contains("top_p must be in (0, 1], got 1.5"), "{err}");
     // 20 prompt tokens need 5 blocks of 4; the cache has 2.
-    engine.add_request(Request {
-        id: 2,
-        prompt: (0..20).collect(),
-        params: SamplingParams::greedy(4),
-    })?;
-    let err = engine.step().unwrap_err().to_string();
-    assert!(err.contains("request 2 cannot be scheduled"), "{err}");
+    let err = engine
+        .add_request(Request {
+            id: 2,
+            prompt: (0..20).collect(),
+            params: SamplingParams::greedy(4),
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with(
+            "engine: request 2 has 20 prompt tokens, which need 5 blocks of 4 tokens, but the KV cache has 2 blocks in all"
+        ),
+        "{err}"
+    );
+    assert!(!engine.has_work());
     Ok(())
 }
 
