@@ -524,6 +524,44 @@ fn bf16_models_from_safetensors_match_candle_transformers() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn context_length_comes_from_max_position_embeddings() -> Result<()> {
+    // The configs above say 256 (Llama) and 128 (Gemma 2 and 3).
+    let (llama, _, _) = llama_pair(false)?;
+    let json = gemma2_json(8, "");
+    let (gemma2, _) = gemma2_pair(&json, &json)?;
+    let (gemma3, _) = gemma3_pair(8)?;
+    assert_eq!(
+        (
+            llama.max_seq_len(),
+            gemma2.max_seq_len(),
+            gemma3.max_seq_len()
+        ),
+        (256, 128, 128)
+    );
+    // A prompt and max_tokens beyond it are refused naming both numbers.
+    let cache = PagedKvCache::new(
+        &gemma2.attention_layers(),
+        CacheConfig::new(64),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let mut engine = Engine::new(&gemma2, cache, SchedulerConfig::default())?;
+    let err = engine
+        .add_request(Request {
+            id: 3,
+            prompt: vec![1; 100],
+            params: SamplingParams::greedy(29),
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("engine: request 3 needs 100 prompt tokens + 29 new tokens = 129 positions, more than the model's context length of 128"),
+        "{err}"
+    );
+    Ok(())
+}
+
 // ------------------------------------------------- continuous batching
 
 /// Greedy tokens of each request alone, then all together.
