@@ -10,6 +10,11 @@
 //! `scripts/fetch-smollm2.sh`. One prompt streams its tokens; several run
 //! through the continuous-batching engine and print each output and the
 //! aggregate throughput.
+//!
+//! Flags are checked before anything is loaded or allocated, and every
+//! error names its flag. A prompt that cannot run (longer than the model's
+//! context, say) prints its error in place of its answer while the others
+//! complete; the exit status is then non-zero.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -21,19 +26,19 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use candle_paged_attention::models::generation::{
-    Completion, Engine, Request, SamplingParams, SchedulerConfig,
+    Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::tokenizer::{self, ChatMessage, TextStream};
 use candle_paged_attention::models::{
     gemma2, gemma3, llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
 };
-use candle_paged_attention::{num_blocks_for_budget, Attention};
+use candle_paged_attention::Attention;
 use clap::Parser;
 use tokenizers::Tokenizer;
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with paged Llama / Gemma models and continuous batching")]
-struct Args {
+pub struct Args {
     /// A GGUF file (quantized Llama) or a directory with config.json,
     /// *.safetensors and tokenizer.json (Llama, Gemma 2, Gemma 3). Default:
     /// SmolLM2-135M-Instruct, fetched by scripts/fetch-smollm2.sh.
@@ -41,7 +46,8 @@ struct Args {
     /// A prompt; repeat for several (they run as one continuous batch).
     #[arg(long)]
     prompt: Vec<String>,
-    /// A file with one prompt per line.
+    /// A file with one prompt per line (blank lines are skipped; a file with
+    /// no prompt is an error).
     #[arg(long)]
     prompts_file: Option<PathBuf>,
     /// Send prompts as they are, without the chat template.
@@ -264,25 +270,179 @@ fn mib(bytes: usize) -> f64 {
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
-    let dev = match args.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0)?,
-        d => bail!("--device must be cpu or cuda, got {d}"),
-    };
+    run(Args::parse(), &mut std::io::stdout())
+}
+
+/// The prompts of `--prompt` and `--prompts-file`, or the default prompt
+/// when neither is given.
+fn read_prompts(args: &Args) -> Result<Vec<String>> {
     let mut prompts = args.prompt.clone();
     if let Some(f) = &args.prompts_file {
-        let text =
-            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("--prompts-file: reading {}", f.display()))?;
+        let before = prompts.len();
         prompts.extend(
             text.lines()
                 .filter(|l| !l.trim().is_empty())
                 .map(String::from),
         );
+        if prompts.len() == before {
+            bail!(
+                "--prompts-file {} holds no prompt (the file is empty or blank)",
+                f.display()
+            );
+        }
     }
     if prompts.is_empty() {
         prompts.push("What is the capital of France? Answer in one sentence.".to_string());
     }
+    Ok(prompts)
+}
+
+/// Checks the flags that need no model, before anything is loaded.
+fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
+    let positive = [
+        ("--max-tokens", args.max_tokens),
+        ("--chunk-tokens", args.chunk_tokens),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--block-size", args.block_size),
+        ("--num-blocks", args.num_blocks.unwrap_or(1)),
+        ("--window-blocks", args.window_blocks.unwrap_or(1)),
+        ("--kv-memory-mb", args.kv_memory_mb),
+    ];
+    for (flag, value) in positive {
+        if value == 0 {
+            bail!("{flag} must be at least 1, got 0");
+        }
+    }
+    if args.kv_memory_mb.checked_mul(1 << 20).is_none() {
+        bail!(
+            "--kv-memory-mb {} is too large: its bytes overflow usize",
+            args.kv_memory_mb
+        );
+    }
+    if !args.temperature.is_finite() {
+        bail!("--temperature must be finite, got {}", args.temperature);
+    }
+    let top_p = SamplingParams {
+        top_p: args.top_p,
+        ..SamplingParams::greedy(1)
+    };
+    top_p.validate().context("--top-p")?;
+    if args.seed.checked_add(num_prompts as u64 - 1).is_none() {
+        bail!(
+            "--seed {}: prompt i uses seed + i, which overflows u64 for {num_prompts} prompts",
+            args.seed
+        );
+    }
+    if args.window_blocks.is_some() && args.prefix_caching {
+        bail!("--prefix-caching cannot be combined with --window-blocks");
+    }
+    Ok(())
+}
+
+/// Memory the host can give the KV cache: `MemAvailable` of /proc/meminfo
+/// (Linux), `None` where unknown.
+fn host_memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Blocks per full-attention layer from `--num-blocks` or `--kv-memory-mb`,
+/// with every size computed in checked arithmetic and the cache's bytes
+/// checked against the host's memory (on the CPU) before it is allocated.
+fn cache_blocks(args: &Args, layers: &[&Attention], dtype: DType, dev: &Device) -> Result<usize> {
+    let bs = args.block_size;
+    // Bytes of one block of one layer, key and value; None on overflow.
+    let layer_block = |l: &Attention| -> Option<usize> {
+        2usize
+            .checked_mul(bs)?
+            .checked_mul(l.num_kv_heads())?
+            .checked_mul(l.head_size())?
+            .checked_mul(dtype.size_in_bytes())
+    };
+    let windowed =
+        |l: &Attention| args.window_blocks.is_some() && l.options().sliding_window.is_some();
+    let mut full_block = 0usize; // one block in every full-attention cache
+    let mut all_block = 0usize; // one block in every cache
+    let mut window_bytes = 0usize; // the window groups' caches, all of them
+    for l in layers {
+        let b = layer_block(l).with_context(|| {
+            format!("--block-size {bs}: one cache block of a layer would take more than usize::MAX bytes")
+        })?;
+        all_block = all_block
+            .checked_add(b)
+            .context("--block-size: block bytes overflow")?;
+        if windowed(l) {
+            let n = args.window_blocks.unwrap_or(0);
+            window_bytes = n
+                .checked_mul(b)
+                .and_then(|x| x.checked_add(window_bytes))
+                .with_context(|| {
+                    format!("--window-blocks {n}: the window caches' bytes overflow usize")
+                })?;
+        } else {
+            full_block = full_block
+                .checked_add(b)
+                .context("--block-size: block bytes overflow")?;
+        }
+    }
+    let (num_blocks, flag) = match args.num_blocks {
+        Some(n) => (n, format!("--num-blocks {n}")),
+        None => {
+            let budget = args.kv_memory_mb << 20; // checked in check_flags
+            let n = budget / all_block.max(1);
+            if n == 0 {
+                bail!(
+                    "--kv-memory-mb {}: {budget} bytes hold no cache block ({} layers x {} bytes per block of {bs} tokens; see --block-size)",
+                    args.kv_memory_mb,
+                    layers.len(),
+                    all_block / layers.len().max(1)
+                );
+            }
+            (n, format!("--kv-memory-mb {}", args.kv_memory_mb))
+        }
+    };
+    let total = num_blocks
+        .checked_mul(full_block)
+        .and_then(|x| x.checked_add(window_bytes));
+    let Some(total) = total else {
+        bail!("{flag}: the KV cache's bytes ({num_blocks} blocks x {full_block} bytes) overflow usize");
+    };
+    if dev.is_cpu() {
+        if let Some(avail) = host_memory_available() {
+            if total > avail {
+                bail!(
+                    "{flag}: the KV cache would take {total} bytes ({num_blocks} blocks of {bs} tokens in {} layers), more than the {avail} bytes of memory available",
+                    layers.len()
+                );
+            }
+        }
+    }
+    Ok(num_blocks)
+}
+
+/// What became of one prompt.
+enum Outcome {
+    /// `add_request` refused it (or it could not be tokenized).
+    Refused(String),
+    /// It ran: its completion.
+    Done(Completion),
+    /// It had not finished when the engine failed.
+    Unfinished,
+}
+
+/// Parses nothing, prints to `out`: the runner behind `main`, given its flags.
+pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
+    let prompts = read_prompts(&args)?;
+    check_flags(&args, prompts.len())?;
+    let dev = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0).context("--device cuda")?,
+        d => bail!("--device must be cpu or cuda, got {d}"),
+    };
     let path = match &args.model {
         Some(p) => p.clone(),
         None => fetch_smollm2()?,
@@ -299,28 +459,20 @@ fn main() -> Result<()> {
     };
     let model = loaded.model.as_ref();
     let layers: Vec<&Attention> = model.attention_layers();
-    let num_blocks = match args.num_blocks {
-        Some(n) => n,
-        None => num_blocks_for_budget(
-            args.kv_memory_mb << 20,
-            layers.len(),
-            args.block_size,
-            layers[0].num_kv_heads(),
-            layers[0].head_size(),
-            model.dtype(),
-        )?,
-    };
+    let num_blocks = cache_blocks(&args, &layers, model.dtype(), &dev)?;
     let cache_config = CacheConfig {
         num_blocks,
         window_blocks: args.window_blocks,
         prefix_caching: args.prefix_caching,
     };
-    let cache = PagedKvCache::new(&layers, cache_config, model.dtype(), &dev)?;
+    let cache = PagedKvCache::new(&layers, cache_config, model.dtype(), &dev)
+        .with_context(|| format!("allocating the KV cache of {num_blocks} blocks per layer (--num-blocks / --kv-memory-mb, --block-size)"))?;
     eprintln!(
-        "model {} loaded in {:.2?} on {:?}; KV cache: {} layers x {num_blocks} blocks of {} tokens = {:.1} MiB",
+        "model {} loaded in {:.2?} on {:?}; context {} tokens; KV cache: {} layers x {num_blocks} blocks of {} tokens = {:.1} MiB",
         loaded.name,
         start.elapsed(),
         dev,
+        model.max_seq_len(),
         layers.len(),
         args.block_size,
         mib(cache.memory_bytes())
@@ -333,61 +485,104 @@ fn main() -> Result<()> {
             max_batch_tokens: args.chunk_tokens,
             max_num_seqs: args.max_num_seqs,
         },
-    )?;
+    )
+    .context("--num-blocks / --kv-memory-mb")?;
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(prompts.len());
     let mut prompt_tokens = 0;
     for (i, p) in prompts.iter().enumerate() {
-        let ids = tokenizer::encode(&loaded.tokenizer, &format_prompt(loaded.chat, args.raw, p))?;
-        prompt_tokens += ids.len();
-        engine.add_request(Request {
-            id: i as u64,
-            prompt: ids,
-            params: SamplingParams {
-                temperature: args.temperature,
-                top_p: args.top_p,
-                seed: args.seed + i as u64,
-                max_tokens: args.max_tokens,
-                stop_tokens: loaded.eos.clone(),
-            },
-        })?;
+        let text = format_prompt(loaded.chat, args.raw, p);
+        let added = tokenizer::encode(&loaded.tokenizer, &text).and_then(|ids| {
+            let n = ids.len();
+            engine
+                .add_request(Request {
+                    id: i as u64,
+                    prompt: ids,
+                    params: SamplingParams {
+                        temperature: args.temperature,
+                        top_p: args.top_p,
+                        // check_flags made sure seed + i fits.
+                        seed: args.seed.wrapping_add(i as u64),
+                        max_tokens: args.max_tokens,
+                        stop_tokens: loaded.eos.clone(),
+                    },
+                })
+                .map(|()| n)
+        });
+        outcomes.push(match added {
+            Ok(n) => {
+                prompt_tokens += n;
+                Outcome::Unfinished
+            }
+            Err(e) => Outcome::Refused(format!("prompt {i}: {e}")),
+        });
     }
     let start = Instant::now();
     let tok = &loaded.tokenizer;
-    let completions = if prompts.len() == 1 {
-        println!("> {}", prompts[0]);
+    let result = if prompts.len() == 1 {
+        writeln!(out, "> {}", prompts[0])?;
         let mut stream = TextStream::new();
         let mut err = None;
         let done = engine.run(|ev| {
-            if loaded.eos.contains(&ev.token) {
+            if loaded.eos.contains(&ev.token) || err.is_some() {
                 return;
             }
             match stream.push(tok, ev.token) {
                 Ok(Some(text)) => {
-                    print!("{text}");
-                    let _ = std::io::stdout().flush();
+                    let _ = write!(out, "{text}").and_then(|()| out.flush());
                 }
                 Ok(None) => {}
                 Err(e) => err = Some(e),
             }
-        })?;
-        println!();
+        });
+        if err.is_none() {
+            match stream.finish(tok) {
+                Ok(Some(text)) => write!(out, "{text}")?,
+                Ok(None) => {}
+                Err(e) => err = Some(e),
+            }
+        }
+        writeln!(out)?;
         if let Some(e) = err {
-            return Err(e.into());
+            writeln!(out, "error: prompt 0: {e}")?;
         }
         done
     } else {
-        let mut done = engine.run(|_| {})?;
-        done.sort_by_key(|c| c.id);
-        for c in &done {
-            let text = tokenizer::decode(tok, &c.tokens)?;
-            println!(
-                "--- [{}] {}\n{}\n",
-                c.id,
-                prompts[c.id as usize],
-                text.trim()
-            );
-        }
-        done
+        engine.run(|_| {})
     };
+    let (completions, failure) = match result {
+        Ok(done) => (done, None),
+        Err(e) => (engine.take_completions(), Some(e)),
+    };
+    for c in &completions {
+        let i = c.id as usize;
+        if let Some(slot) = outcomes.get_mut(i) {
+            *slot = Outcome::Done(c.clone());
+        }
+    }
+    let mut failed = 0;
+    for (i, outcome) in outcomes.iter().enumerate() {
+        let error = match outcome {
+            Outcome::Refused(e) => Some(e.clone()),
+            Outcome::Done(c) => c.error().map(|e| format!("prompt {i}: {e}")),
+            Outcome::Unfinished => Some(format!("prompt {i}: unfinished when generation failed")),
+        };
+        if prompts.len() > 1 {
+            writeln!(out, "--- [{i}] {}", prompts[i])?;
+            if let Outcome::Done(c) = outcome {
+                match tokenizer::decode(tok, &c.tokens) {
+                    Ok(text) => writeln!(out, "{}", text.trim())?,
+                    Err(e) => writeln!(out, "error: prompt {i}: {e}")?,
+                }
+            }
+        }
+        if let Some(e) = &error {
+            failed += 1;
+            writeln!(out, "error: {e}")?;
+        }
+        if prompts.len() > 1 {
+            writeln!(out)?;
+        }
+    }
     report(
         &completions,
         start.elapsed(),
@@ -395,6 +590,19 @@ fn main() -> Result<()> {
         kv_bytes,
         engine.num_steps(),
     );
+    if let Some(e) = failure {
+        return Err(anyhow::Error::from(e).context(format!(
+            "generation failed after {} of {} prompts finished (their outputs are printed above)",
+            completions.len(),
+            prompts.len()
+        )));
+    }
+    if failed > 0 {
+        bail!(
+            "{failed} of {} prompts failed (see their errors above)",
+            prompts.len()
+        );
+    }
     Ok(())
 }
 
@@ -408,13 +616,18 @@ fn report(
     let generated: usize = done.iter().map(|c| c.tokens.len()).sum();
     let ttft: Vec<f64> = done
         .iter()
+        .filter(|c| !c.tokens.is_empty())
         .map(|c| c.time_to_first_token.as_secs_f64())
         .collect();
     let mean_ttft = ttft.iter().sum::<f64>() / ttft.len().max(1) as f64;
     let max_ttft = ttft.iter().cloned().fold(0.0, f64::max);
     let preempted: usize = done.iter().map(|c| c.preemptions).sum();
+    let errors = done
+        .iter()
+        .filter(|c| matches!(c.finish, FinishReason::Error(_)))
+        .count();
     eprintln!(
-        "{} sequences, {prompt_tokens} prompt tokens, {generated} generated tokens in {:.2}s ({steps} steps): {:.1} tokens/s generated, {:.1} tokens/s processed",
+        "{} sequences ({errors} with errors), {prompt_tokens} prompt tokens, {generated} generated tokens in {:.2}s ({steps} steps): {:.1} tokens/s generated, {:.1} tokens/s processed",
         done.len(),
         wall.as_secs_f64(),
         generated as f64 / wall.as_secs_f64(),

@@ -257,6 +257,151 @@ fn window_blocks_are_recycled(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+fn rollback_restores_the_state_exactly(dev: &Device) -> Result<()> {
+    let mut mgr = BlockManager::new(BlockManagerConfig::new(2, 8))?;
+    mgr.add_sequence(1, &[1, 2, 3])?;
+    mgr.add_sequence(2, &[7, 8, 9, 10, 11])?;
+    mgr.schedule(&[prefill(1, 3), prefill(2, 2)], dev)?;
+    mgr.schedule(&[decode(1, 4), prefill(2, 1)], dev)?;
+    let snapshot = |m: &BlockManager| {
+        (
+            m.tokens(1).map(<[u32]>::to_vec),
+            m.num_computed(1),
+            m.block_table(1).map(<[u32]>::to_vec),
+            m.tokens(2).map(<[u32]>::to_vec),
+            m.num_computed(2),
+            m.block_table(2).map(<[u32]>::to_vec),
+            m.num_free_blocks(),
+        )
+    };
+    let before = snapshot(&mgr);
+    ensure!(before.6 == 4, "{before:?}");
+    // A decode that opens a block and a prefill chunk that opens another.
+    let batch = mgr.schedule(&[decode(1, 5), prefill(2, 2)], dev)?;
+    ensure!(batch.token_ids == [5, 10, 11]);
+    ensure!(batch.metadata.positions_host() == [4, 3, 4]);
+    ensure!(mgr.num_free_blocks() == 2 && mgr.num_computed(2) == Some(5));
+    mgr.rollback(batch)?;
+    ensure!(
+        snapshot(&mgr) == before,
+        "{:?} != {before:?}",
+        snapshot(&mgr)
+    );
+    // The retry computes the same positions with the same tokens.
+    let retry = mgr.schedule(&[decode(1, 5), prefill(2, 2)], dev)?;
+    ensure!(retry.token_ids == [5, 10, 11]);
+    ensure!(retry.metadata.positions_host() == [4, 3, 4]);
+    ensure!(retry.metadata.batch().host().seq_lens == [5, 5]);
+    ensure!(mgr.tokens(1) == Some(&[1, 2, 3, 4, 5][..]));
+    // Only the last batch, before any other change, can be rolled back.
+    let next = mgr.schedule(&[decode(1, 6)], dev)?;
+    let got = err_of(mgr.rollback(retry));
+    ensure!(
+        got.contains(
+            "block-manager: batch 4 cannot be rolled back: only the last scheduled batch can be"
+        ),
+        "{got}"
+    );
+    mgr.free(2)?;
+    let got = err_of(mgr.rollback(next));
+    ensure!(got.contains("batch 5 cannot be rolled back"), "{got}");
+    ensure!(mgr.tokens(1) == Some(&[1, 2, 3, 4, 5, 6][..]));
+    mgr.free(1)?;
+    ensure!(mgr.num_free_blocks() == 8 && mgr.num_sequences() == 0);
+    Ok(())
+}
+
+fn rolled_back_prefix_blocks_are_not_shared(dev: &Device) -> Result<()> {
+    let mut mgr = BlockManager::new(BlockManagerConfig::new(4, 12).with_prefix_caching(true))?;
+    let prompt: Vec<u32> = (0..6).collect();
+    mgr.add_sequence(1, &prompt)?;
+    mgr.schedule(&[prefill(1, 6)], dev)?;
+    mgr.schedule(&[decode(1, 6)], dev)?;
+    // This decode fills block 1 (tokens 4..8) and registers it; its forward
+    // pass fails, so the block's content is incomplete.
+    let batch = mgr.schedule(&[decode(1, 7)], dev)?;
+    ensure!(mgr.num_cached_blocks() == 2);
+    mgr.rollback(batch)?;
+    let shared: Vec<u32> = (0..9).collect();
+    ensure!(
+        mgr.add_sequence(2, &shared)? == 4,
+        "only the complete block 0 is shared"
+    );
+    mgr.free(2)?;
+    // The retry computes the block again: then it is shared.
+    mgr.schedule(&[decode(1, 7)], dev)?;
+    ensure!(mgr.add_sequence(3, &shared)? == 8);
+    // A prefill that is rolled back entirely shares nothing either.
+    let other: Vec<u32> = (100..110).collect();
+    mgr.add_sequence(4, &other)?;
+    let batch = mgr.schedule(&[prefill(4, 10)], dev)?;
+    mgr.rollback(batch)?;
+    ensure!(mgr.num_computed(4) == Some(0) && mgr.block_table(4) == Some(&[][..]));
+    ensure!(mgr.add_sequence(5, &other)? == 0);
+    for id in [1, 3, 4, 5] {
+        mgr.free(id)?;
+    }
+    ensure!(mgr.num_free_blocks() == 12);
+    Ok(())
+}
+
+fn shortfall_predicts_schedule(dev: &Device) -> Result<()> {
+    let mut mgr = BlockManager::new(BlockManagerConfig::new(2, 5))?;
+    mgr.add_sequence(7, &[0; 9])?;
+    mgr.add_sequence(8, &[0; 3])?;
+    mgr.schedule(&[prefill(8, 3)], dev)?;
+    let why = mgr.shortfall(&[prefill(7, 9)])?;
+    let got = err_of(mgr.schedule(&[prefill(7, 9)], dev));
+    ensure!(
+        why.as_deref()
+            == Some("block-manager: sequence 7 needs 5 more blocks but 3 are free in the full-attention pool (3 of 5 blocks free before this batch)"),
+        "{why:?}"
+    );
+    ensure!(got.starts_with(why.as_deref().unwrap_or("-")), "{got}");
+    ensure!(mgr.shortfall(&[prefill(7, 6), decode(8, 1)])?.is_none());
+    ensure!(err_of(mgr.shortfall(&[prefill(9, 1)])).contains("sequence 9 is not admitted"));
+    // Window pools count the blocks that fall out of the window first.
+    let mut mgr = BlockManager::new(BlockManagerConfig::new(2, 32).with_window_group(4, 3))?;
+    mgr.add_sequence(1, &[0; 8])?;
+    mgr.schedule(&[prefill(1, 6)], dev)?;
+    ensure!(mgr.num_free_window_blocks(0) == Some(0));
+    ensure!(mgr.shortfall(&[prefill(1, 2)])?.is_none());
+    mgr.schedule(&[prefill(1, 2)], dev)?;
+    ensure!(mgr.num_free_window_blocks(0) == Some(0));
+    let why = mgr.shortfall(&[decode(1, 1)])?;
+    ensure!(why.is_none(), "{why:?}");
+    Ok(())
+}
+
+fn refuses_absurd_sizes_before_allocating(_dev: &Device) -> Result<()> {
+    let checks = [
+        (
+            BlockManagerConfig::new(16, u32::MAX as usize),
+            "block-manager: 4294967295 blocks would take 171798691800 bytes of bookkeeping (40 bytes per block), more than the 4294967296 bytes allowed",
+        ),
+        (
+            BlockManagerConfig::new(16, 1 << 20).with_window_group(8, u32::MAX as usize),
+            "block-manager: 4296015871 blocks would take 171840634840 bytes of bookkeeping",
+        ),
+        (
+            BlockManagerConfig::new(1 << 60, 16),
+            "block-manager: the full-attention pool's 16 blocks of 1152921504606846976 tokens have more slots than an i64 can index",
+        ),
+        (
+            BlockManagerConfig::new(usize::MAX, 2),
+            "have more slots than an i64 can index",
+        ),
+    ];
+    for (config, want) in checks {
+        let got = err_of(BlockManager::new(config));
+        ensure!(got.contains(want), "expected {want:?}, got {got:?}");
+    }
+    // The largest pool allowed is built.
+    let mgr = BlockManager::new(BlockManagerConfig::new(16, 1 << 20))?;
+    ensure!(mgr.num_free_blocks() == 1 << 20);
+    Ok(())
+}
+
 macro_rules! device_tests {
     ($($name:ident),* $(,)?) => {
         mod cpu {
@@ -275,4 +420,8 @@ device_tests!(
     prefix_blocks_are_shared_and_freed_when_unused,
     decoded_blocks_are_cached_too,
     window_blocks_are_recycled,
+    rollback_restores_the_state_exactly,
+    rolled_back_prefix_blocks_are_not_shared,
+    shortfall_predicts_schedule,
+    refuses_absurd_sizes_before_allocating,
 );

@@ -524,6 +524,44 @@ fn bf16_models_from_safetensors_match_candle_transformers() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn context_length_comes_from_max_position_embeddings() -> Result<()> {
+    // The configs above say 256 (Llama) and 128 (Gemma 2 and 3).
+    let (llama, _, _) = llama_pair(false)?;
+    let json = gemma2_json(8, "");
+    let (gemma2, _) = gemma2_pair(&json, &json)?;
+    let (gemma3, _) = gemma3_pair(8)?;
+    assert_eq!(
+        (
+            llama.max_seq_len(),
+            gemma2.max_seq_len(),
+            gemma3.max_seq_len()
+        ),
+        (256, 128, 128)
+    );
+    // A prompt and max_tokens beyond it are refused naming both numbers.
+    let cache = PagedKvCache::new(
+        &gemma2.attention_layers(),
+        CacheConfig::new(64),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let mut engine = Engine::new(&gemma2, cache, SchedulerConfig::default())?;
+    let err = engine
+        .add_request(Request {
+            id: 3,
+            prompt: vec![1; 100],
+            params: SamplingParams::greedy(29),
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("engine: request 3 needs 100 prompt tokens + 29 new tokens = 129 positions, more than the model's context length of 128"),
+        "{err}"
+    );
+    Ok(())
+}
+
 // ------------------------------------------------- continuous batching
 
 /// Greedy tokens of each request alone, then all together.
@@ -631,13 +669,21 @@ fn engine_rejects_what_cannot_run() -> Result<()> {
     let err = engine.add_request(bad).unwrap_err().to_string();
     assert!(err.contains("top_p must be in (0, 1], got 1.5"), "{err}");
     // 20 prompt tokens need 5 blocks of 4; the cache has 2.
-    engine.add_request(Request {
-        id: 2,
-        prompt: (0..20).collect(),
-        params: SamplingParams::greedy(4),
-    })?;
-    let err = engine.step().unwrap_err().to_string();
-    assert!(err.contains("request 2 cannot be scheduled"), "{err}");
+    let err = engine
+        .add_request(Request {
+            id: 2,
+            prompt: (0..20).collect(),
+            params: SamplingParams::greedy(4),
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with(
+            "engine: request 2 has 20 prompt tokens, which need 5 blocks of 4 tokens, but the KV cache has 2 blocks in all"
+        ),
+        "{err}"
+    );
+    assert!(!engine.has_work());
     Ok(())
 }
 

@@ -105,6 +105,28 @@ pub struct ScheduledBatch {
     /// Whether each sequence has computed all its tokens after this step, so
     /// the logits at its last row predict its next token.
     pub ready: Vec<bool>,
+    /// What [`BlockManager::rollback`] restores.
+    undo: BatchUndo,
+}
+
+/// The state of each scheduled sequence before a batch, for
+/// [`BlockManager::rollback`].
+#[derive(Debug)]
+struct BatchUndo {
+    /// The batch's number (the manager's count of scheduled batches).
+    id: u64,
+    seqs: Vec<SeqUndo>,
+}
+
+/// One sequence's lengths before a batch.
+#[derive(Debug)]
+struct SeqUndo {
+    seq_id: u64,
+    computed: usize,
+    tokens: usize,
+    blocks: usize,
+    hashes: usize,
+    window_blocks: Vec<usize>,
 }
 
 #[derive(Debug)]
@@ -132,11 +154,21 @@ struct WindowPool {
 /// cached prompt blocks when prefix caching is on), one or more
 /// [`Work::Prefill`] items until the prompt is done, [`Work::Decode`] items,
 /// then [`free`](Self::free). [`schedule`](Self::schedule) allocates what a
-/// batch needs all at once or fails with nothing changed.
+/// batch needs all at once or fails with nothing changed;
+/// [`shortfall`](Self::shortfall) tells beforehand whether it would find the
+/// blocks.
+///
+/// Scheduling is transactional: when the forward pass of a batch fails,
+/// [`rollback`](Self::rollback) returns the manager to its state before
+/// [`schedule`](Self::schedule) (computed positions, decoded tokens, block
+/// allocations), so that scheduling the same work again recomputes the same
+/// positions. Only the last scheduled batch can be rolled back, before any
+/// other `add_sequence`, `free` or `schedule`.
 ///
 /// Blocks scheduled for computation are registered for prefix sharing right
-/// away, so run the forward pass of every scheduled batch before the next
-/// `add_sequence`.
+/// away, so run the forward pass of every scheduled batch (or roll it back)
+/// before the next `add_sequence`. A block registered by a batch that was
+/// rolled back is never shared until its content is computed again.
 ///
 /// # Example
 /// A generation loop with one layer: chunked prefills, then decodes.
@@ -197,10 +229,41 @@ pub struct BlockManager {
     pool: BlockPool,
     windows: Vec<WindowPool>,
     seqs: HashMap<u64, Sequence>,
+    /// Batches scheduled so far (numbers them for `rollback`).
+    batches: u64,
+    /// The batch `rollback` may undo: the last one, before any other change.
+    last_batch: Option<u64>,
+    /// Full-attention blocks registered for prefix sharing by a batch that
+    /// was rolled back, with the hash they are registered under: their
+    /// content may be incomplete, so they are not shared until a batch
+    /// computes them again or the pool hands them out afresh.
+    poisoned: HashMap<u32, u64>,
 }
+
+/// Host bookkeeping per block of a pool: its entry in the free list (4
+/// bytes), its reference count (4), its prefix-cache slot (24) and its
+/// release time (8); cached prefixes add their hash-map entries and tokens.
+const BOOKKEEPING_BYTES_PER_BLOCK: usize = 40;
+
+/// The most bytes of per-block bookkeeping `BlockManager::new` allocates
+/// over all its pools (4 GiB, about 107 million blocks): a larger request is
+/// refused with an error instead of aborting the process when the memory
+/// runs out.
+const MAX_BOOKKEEPING_BYTES: usize = if usize::BITS > 32 {
+    1 << 32
+} else {
+    usize::MAX
+};
 
 impl BlockManager {
     /// An empty manager.
+    ///
+    /// Fails when a size is zero, when a pool has more blocks than 32-bit
+    /// block ids can name, when `num_blocks * block_size` slots do not fit
+    /// an `i64`, or when the pools' bookkeeping (40 bytes per block) would
+    /// take more than 4 GiB, about 107 million blocks in all (checked before
+    /// anything is allocated, so that an absurd size is an error, not an
+    /// abort).
     pub fn new(config: BlockManagerConfig) -> Result<Self> {
         let BlockManagerConfig {
             block_size,
@@ -214,7 +277,7 @@ impl BlockManager {
         if num_blocks > u32::MAX as usize {
             bail!("{OP}: num_blocks {num_blocks} does not fit block ids of 32 bits");
         }
-        let mut windows: Vec<WindowPool> = Vec::new();
+        let mut windows: Vec<WindowGroupConfig> = Vec::new();
         for g in &window_groups {
             if g.window == 0 || g.num_blocks == 0 || g.num_blocks > u32::MAX as usize {
                 bail!(
@@ -226,10 +289,29 @@ impl BlockManager {
             if windows.iter().any(|w| w.window == g.window) {
                 bail!("{OP}: two window groups have window {}", g.window);
             }
-            windows.push(WindowPool {
-                window: g.window,
-                pool: BlockPool::new(g.num_blocks),
-            });
+            windows.push(*g);
+        }
+        for (pool, blocks) in std::iter::once(("full-attention", num_blocks))
+            .chain(windows.iter().map(|g| ("window", g.num_blocks)))
+        {
+            if blocks
+                .checked_mul(block_size)
+                .is_none_or(|slots| slots > i64::MAX as usize)
+            {
+                bail!("{OP}: the {pool} pool's {blocks} blocks of {block_size} tokens have more slots than an i64 can index");
+            }
+        }
+        let total_blocks = windows
+            .iter()
+            .try_fold(num_blocks, |acc, g| acc.checked_add(g.num_blocks));
+        let bytes = total_blocks.and_then(|n| n.checked_mul(BOOKKEEPING_BYTES_PER_BLOCK));
+        match bytes {
+            Some(b) if b <= MAX_BOOKKEEPING_BYTES => {}
+            _ => bail!(
+                "{OP}: {} blocks would take {} bytes of bookkeeping ({BOOKKEEPING_BYTES_PER_BLOCK} bytes per block), more than the {MAX_BOOKKEEPING_BYTES} bytes allowed",
+                total_blocks.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string()),
+                bytes.map_or_else(|| "more than usize::MAX".to_string(), |b| b.to_string()),
+            ),
         }
         if enable_prefix_caching && !windows.is_empty() {
             bail!(
@@ -241,8 +323,17 @@ impl BlockManager {
             block_size,
             prefix_caching: enable_prefix_caching,
             pool: BlockPool::new(num_blocks),
-            windows,
+            windows: windows
+                .into_iter()
+                .map(|g| WindowPool {
+                    window: g.window,
+                    pool: BlockPool::new(g.num_blocks),
+                })
+                .collect(),
             seqs: HashMap::new(),
+            batches: 0,
+            last_batch: None,
+            poisoned: HashMap::new(),
         })
     }
 
@@ -253,6 +344,7 @@ impl BlockManager {
     /// Returns the number of prompt tokens found in the cache; the first
     /// [`Work::Prefill`] starts after them.
     pub fn add_sequence(&mut self, seq_id: u64, prompt: &[u32]) -> Result<usize> {
+        self.last_batch = None;
         if self.seqs.contains_key(&seq_id) {
             bail!("{OP}: sequence {seq_id} is already admitted");
         }
@@ -280,6 +372,11 @@ impl BlockManager {
                 let Some(block) = self.pool.acquire_cached(hash, toks) else {
                     break;
                 };
+                if self.poisoned.contains_key(&block) {
+                    // A rolled-back batch left its content incomplete.
+                    self.pool.release(block)?;
+                    break;
+                }
                 seq.blocks.push(block);
                 seq.block_hashes.push(hash);
             }
@@ -294,6 +391,7 @@ impl BlockManager {
     /// blocks stay with their other users; cached ones stay reusable until
     /// their blocks are needed.
     pub fn free(&mut self, seq_id: u64) -> Result<()> {
+        self.last_batch = None;
         let Some(seq) = self.seqs.remove(&seq_id) else {
             bail!("{OP}: cannot free sequence {seq_id}: it is not admitted");
         };
@@ -309,26 +407,124 @@ impl BlockManager {
     }
 
     /// Allocates the blocks `work` needs and builds the batch's metadata on
-    /// `device`. Fails without changing anything (except recycling blocks the
-    /// sliding windows no longer need) when a sequence is unknown, scheduled
-    /// twice, asks for more prompt than is left, decodes before its prompt is
-    /// done, or when a pool runs out of blocks.
+    /// `device`. Fails without changing anything when a sequence is unknown,
+    /// scheduled twice, asks for more prompt than is left, decodes before its
+    /// prompt is done, or when a pool runs out of blocks (see
+    /// [`shortfall`](Self::shortfall)). When the metadata cannot be built,
+    /// it fails with the allocations undone.
+    ///
+    /// Window-group blocks that no query at or after a planned sequence's
+    /// next position can see go back to their pools first (and stay there
+    /// whatever happens next). The batch can be undone with
+    /// [`rollback`](Self::rollback) until the next change.
     pub fn schedule(&mut self, work: &[Work], device: &Device) -> Result<ScheduledBatch> {
+        self.last_batch = None;
         if work.is_empty() {
             bail!("{OP}: nothing to schedule (empty work list)");
         }
         let plan = self.plan(work)?;
-        self.recycle_out_of_window(&plan)?;
-        self.check_capacity(&plan)?;
-        for p in &plan {
-            self.commit(p)?;
+        if let Some(why) = self.capacity_shortfall(&plan) {
+            bail!("{why}");
         }
-        self.build(&plan, device)
+        // Recycled blocks stay recycled on a failure or a rollback: no query
+        // at or after the planned positions can see them.
+        self.recycle_out_of_window(&plan)?;
+        let mut undo = Vec::with_capacity(plan.len());
+        for p in &plan {
+            if let Err(e) = self.commit(p, &mut undo) {
+                self.undo(&undo)?;
+                return Err(e);
+            }
+        }
+        match self.build(&plan, device) {
+            Ok(mut batch) => {
+                self.batches += 1;
+                batch.undo = BatchUndo {
+                    id: self.batches,
+                    seqs: undo,
+                };
+                self.last_batch = Some(self.batches);
+                Ok(batch)
+            }
+            Err(e) => {
+                self.undo(&undo)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether [`schedule`](Self::schedule) would find the blocks `work`
+    /// needs, counting the blocks it would recycle out of sliding windows.
+    /// Changes nothing.
+    ///
+    /// Returns `Ok(None)` when the blocks are there, `Ok(Some(reason))` when a
+    /// pool runs short (the error `schedule` would give), and an error when
+    /// the work itself is invalid (as `schedule` checks it).
+    pub fn shortfall(&self, work: &[Work]) -> Result<Option<String>> {
+        if work.is_empty() {
+            bail!("{OP}: nothing to schedule (empty work list)");
+        }
+        let plan = self.plan(work)?;
+        Ok(self.capacity_shortfall(&plan))
+    }
+
+    /// Undoes `batch`, the last batch [`schedule`](Self::schedule) returned,
+    /// after its forward pass failed: the scheduled sequences get back their
+    /// computed positions, lose the decoded tokens the batch appended, and
+    /// return the blocks it allocated (to the free list; a cached prefix the
+    /// allocation evicted stays forgotten). Blocks the batch registered for
+    /// prefix sharing are never shared until a later batch computes them.
+    /// Blocks recycled out of sliding windows stay recycled: no query at or
+    /// after the batch's positions sees them.
+    ///
+    /// Fails without changing anything when `batch` is not the last scheduled
+    /// batch or when `add_sequence`, `free` or `schedule` was called since.
+    pub fn rollback(&mut self, batch: ScheduledBatch) -> Result<()> {
+        let id = batch.undo.id;
+        if self.last_batch != Some(id) {
+            bail!(
+                "{OP}: batch {id} cannot be rolled back: only the last scheduled batch can be, before any other add_sequence, free or schedule"
+            );
+        }
+        self.last_batch = None;
+        self.undo(&batch.undo.seqs)
+    }
+
+    /// Restores the sequences of `undo`, newest change first.
+    fn undo(&mut self, undo: &[SeqUndo]) -> Result<()> {
+        for u in undo.iter().rev() {
+            let Some(seq) = self.seqs.get_mut(&u.seq_id) else {
+                bail!("{OP}: sequence {} vanished before its rollback", u.seq_id);
+            };
+            seq.computed = u.computed;
+            seq.tokens.truncate(u.tokens);
+            for (i, &hash) in seq.block_hashes.iter().enumerate().skip(u.hashes) {
+                if let Some(&b) = seq.blocks.get(i) {
+                    self.poisoned.insert(b, hash);
+                }
+            }
+            seq.block_hashes.truncate(u.hashes);
+            for b in seq.blocks.drain(u.blocks.min(seq.blocks.len())..) {
+                self.pool.release(b)?;
+            }
+            for ((w, blocks), &len) in self
+                .windows
+                .iter_mut()
+                .zip(&mut seq.window_blocks)
+                .zip(&u.window_blocks)
+            {
+                for b in blocks.drain(len.min(blocks.len())..).flatten() {
+                    w.pool.release(b)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn plan(&self, work: &[Work]) -> Result<Vec<Planned>> {
         let mut seen = HashSet::with_capacity(work.len());
         let mut plan = Vec::with_capacity(work.len());
+        let mut num_tokens = 0usize;
         for w in work {
             let seq_id = w.seq_id();
             let Some(seq) = self.seqs.get(&seq_id) else {
@@ -356,6 +552,10 @@ impl BlockManager {
             };
             if seq.computed + q_len > u32::MAX as usize {
                 bail!("{OP}: sequence {seq_id} would exceed u32 positions");
+            }
+            num_tokens += q_len;
+            if num_tokens > u32::MAX as usize {
+                bail!("{OP}: the batch would have more than u32::MAX query tokens");
             }
             plan.push(Planned {
                 seq_id,
@@ -388,51 +588,83 @@ impl BlockManager {
         Ok(())
     }
 
-    fn check_capacity(&self, plan: &[Planned]) -> Result<()> {
+    /// The first pool that cannot give `plan` its blocks, as the error
+    /// `schedule` reports; `None` when every pool can. Window pools count the
+    /// blocks `recycle_out_of_window` would return first.
+    fn capacity_shortfall(&self, plan: &[Planned]) -> Option<String> {
         let bs = self.block_size;
         let check = |pool: &BlockPool,
                      name: &str,
+                     recyclable: usize,
                      held: &dyn Fn(&Sequence) -> usize|
-         -> Result<()> {
-            let available = pool.num_available();
+         -> Option<String> {
+            let available = pool.num_available() + recyclable;
             let mut taken = 0;
             for p in plan {
                 let held = self.seqs.get(&p.seq_id).map_or(0, held);
                 let need = (p.start + p.q_len).div_ceil(bs).saturating_sub(held);
                 if taken + need > available {
-                    bail!(
+                    return Some(format!(
                         "{OP}: sequence {} needs {need} more blocks but {} {} free in the {name} pool ({} of {} blocks free before this batch)",
                         p.seq_id,
                         available - taken,
                         if available - taken == 1 { "is" } else { "are" },
                         available,
                         pool.num_blocks()
-                    );
+                    ));
                 }
                 taken += need;
             }
-            Ok(())
+            None
         };
-        check(&self.pool, "full-attention", &|s| s.blocks.len())?;
-        for (g, w) in self.windows.iter().enumerate() {
-            let name = format!("window-{}", w.window);
-            check(&w.pool, &name, &|s| s.window_blocks[g].len())?;
+        if let Some(why) = check(&self.pool, "full-attention", 0, &|s| s.blocks.len()) {
+            return Some(why);
         }
-        Ok(())
+        for (g, w) in self.windows.iter().enumerate() {
+            let recyclable: usize = plan
+                .iter()
+                .filter_map(|p| self.seqs.get(&p.seq_id))
+                .zip(plan)
+                .map(|(s, p)| {
+                    let blocks = &s.window_blocks[g];
+                    let out = blocks_out_of_window(p.start, w.window, bs).min(blocks.len());
+                    blocks[..out].iter().flatten().count()
+                })
+                .sum();
+            let name = format!("window-{}", w.window);
+            if let Some(why) = check(&w.pool, &name, recyclable, &|s| s.window_blocks[g].len()) {
+                return Some(why);
+            }
+        }
+        None
     }
 
-    fn commit(&mut self, p: &Planned) -> Result<()> {
+    /// Appends the decoded token, advances `computed` and allocates the
+    /// blocks of one planned sequence, recording its previous lengths in
+    /// `undo` first.
+    fn commit(&mut self, p: &Planned, undo: &mut Vec<SeqUndo>) -> Result<()> {
         let bs = self.block_size;
         let Some(seq) = self.seqs.get_mut(&p.seq_id) else {
             bail!("{OP}: sequence {} vanished while scheduling", p.seq_id);
         };
+        undo.push(SeqUndo {
+            seq_id: p.seq_id,
+            computed: seq.computed,
+            tokens: seq.tokens.len(),
+            blocks: seq.blocks.len(),
+            hashes: seq.block_hashes.len(),
+            window_blocks: seq.window_blocks.iter().map(Vec::len).collect(),
+        });
         if let Some(t) = p.token {
             seq.tokens.push(t);
         }
         seq.computed = p.start + p.q_len;
         let needed = seq.computed.div_ceil(bs);
         while seq.blocks.len() < needed {
-            seq.blocks.push(self.pool.allocate()?);
+            let b = self.pool.allocate()?;
+            // A fresh allocation holds no registered prefix any more.
+            self.poisoned.remove(&b);
+            seq.blocks.push(b);
         }
         for (g, w) in self.windows.iter_mut().enumerate() {
             while seq.window_blocks[g].len() < needed {
@@ -443,7 +675,12 @@ impl BlockManager {
             for b in seq.block_hashes.len()..seq.computed / bs {
                 let toks = &seq.tokens[b * bs..(b + 1) * bs];
                 let hash = block_hash(seq.block_hashes.last().copied(), toks);
-                self.pool.register(seq.blocks[b], hash, toks);
+                let block = seq.blocks[b];
+                self.pool.register(block, hash, toks);
+                if self.poisoned.get(&block) == Some(&hash) {
+                    // This batch computes the block again.
+                    self.poisoned.remove(&block);
+                }
                 seq.block_hashes.push(hash);
             }
         }
@@ -518,6 +755,10 @@ impl BlockManager {
             seq_ids: plan.iter().map(|p| p.seq_id).collect(),
             last_rows,
             ready,
+            undo: BatchUndo {
+                id: 0,
+                seqs: Vec::new(),
+            },
         })
     }
 

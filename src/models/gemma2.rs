@@ -353,6 +353,10 @@ impl PagedModel for Gemma2 {
         self.trunk.vocab_size
     }
 
+    fn max_seq_len(&self) -> usize {
+        self.rotary.max_positions()
+    }
+
     fn device(&self) -> &Device {
         &self.trunk.device
     }
@@ -368,7 +372,7 @@ impl PagedModel for Gemma2 {
         cache: &PagedKvCache,
         rows: &[usize],
     ) -> Result<Tensor> {
-        check_input(OP, input_ids, metadata)?;
+        check_input(OP, input_ids, metadata, self.trunk.vocab_size)?;
         check_cache(OP, cache, self.layers.len())?;
         let rotary = self.rotary.at(metadata)?;
         let mut x = self.trunk.embed(input_ids)?;

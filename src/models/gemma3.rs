@@ -172,6 +172,10 @@ impl PagedModel for Gemma3 {
         self.trunk.vocab_size
     }
 
+    fn max_seq_len(&self) -> usize {
+        self.rotary_global.max_positions()
+    }
+
     fn device(&self) -> &Device {
         &self.trunk.device
     }
@@ -187,7 +191,7 @@ impl PagedModel for Gemma3 {
         cache: &PagedKvCache,
         rows: &[usize],
     ) -> Result<Tensor> {
-        check_input(OP, input_ids, metadata)?;
+        check_input(OP, input_ids, metadata, self.trunk.vocab_size)?;
         check_cache(OP, cache, self.layers.len())?;
         let local = self.rotary_local.at(metadata)?;
         let global = self.rotary_global.at(metadata)?;

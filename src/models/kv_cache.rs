@@ -115,8 +115,17 @@ impl PagedKvCache {
     }
 
     /// The cache of layer `i`.
+    ///
+    /// # Panics
+    /// When `i >= num_layers()`, as slice indexing does; see
+    /// [`get_layer`](Self::get_layer).
     pub fn layer(&self, i: usize) -> &LayerKvCache {
         &self.layers[i]
+    }
+
+    /// The cache of layer `i`, or `None` when `i >= num_layers()`.
+    pub fn get_layer(&self, i: usize) -> Option<&LayerKvCache> {
+        self.layers.get(i)
     }
 
     /// Decoder layers.
@@ -136,9 +145,10 @@ impl PagedKvCache {
 
     /// Bytes held by all key and value caches.
     pub fn memory_bytes(&self) -> usize {
+        // Allocated tensors: each product fits; the sum saturates in theory.
         self.layers
             .iter()
             .map(|c| 2 * c.key().elem_count() * c.dtype().size_in_bytes())
-            .sum()
+            .fold(0, usize::saturating_add)
     }
 }

@@ -192,6 +192,10 @@ impl PagedModel for Llama {
         self.vocab_size
     }
 
+    fn max_seq_len(&self) -> usize {
+        self.rotary.max_positions()
+    }
+
     fn device(&self) -> &Device {
         &self.device
     }
@@ -207,7 +211,7 @@ impl PagedModel for Llama {
         cache: &PagedKvCache,
         rows: &[usize],
     ) -> Result<Tensor> {
-        check_input(OP, input_ids, metadata)?;
+        check_input(OP, input_ids, metadata, self.vocab_size)?;
         check_cache(OP, cache, self.layers.len())?;
         let rotary = self.rotary.at(metadata)?;
         let mut x = self.embed_tokens.forward(input_ids)?;

@@ -62,8 +62,14 @@ pub trait PagedModel {
     /// and shapes size the caches).
     fn attention_layers(&self) -> Vec<&Attention>;
 
-    /// Vocabulary size: the width of the logits.
+    /// Vocabulary size: the width of the logits. Token ids are `< vocab_size`.
     fn vocab_size(&self) -> usize;
+
+    /// The context length the checkpoint was trained for (Llama GGUF
+    /// `llama.context_length`, Hugging Face `max_position_embeddings`):
+    /// positions `0..max_seq_len` are supported, and the engine refuses a
+    /// request whose prompt plus `max_tokens` exceeds it.
+    fn max_seq_len(&self) -> usize;
 
     /// The device of the weights.
     fn device(&self) -> &Device;
@@ -75,7 +81,10 @@ pub trait PagedModel {
     ///
     /// # Arguments
     /// * `input_ids` - `(num_tokens,)` u32, the batch's new tokens in the row
-    ///   order of `metadata` (sequence by sequence).
+    ///   order of `metadata` (sequence by sequence), each `< vocab_size`
+    ///   (checked when `input_ids` is on the CPU; on a GPU the check would
+    ///   cost a device-to-host copy, and the [`generation::Engine`] checks
+    ///   the ids when a request is added).
     /// * `metadata` - tables, slots and positions of the batch.
     /// * `cache` - the caches of all layers; the new keys and values are
     ///   stored in them.
@@ -105,8 +114,15 @@ fn select_rows(component: &str, xs: &Tensor, rows: &[usize]) -> Result<Tensor> {
     xs.index_select(&idx, 0)
 }
 
-/// Checks that `input_ids` is `(num_tokens,)` u32 for the metadata's batch.
-fn check_input(component: &str, input_ids: &Tensor, metadata: &AttentionMetadata) -> Result<()> {
+/// Checks that `input_ids` is `(num_tokens,)` u32 for the metadata's batch
+/// and, on the CPU, that every id is `< vocab_size` (an embedding lookup
+/// must never see an id outside its table).
+fn check_input(
+    component: &str,
+    input_ids: &Tensor,
+    metadata: &AttentionMetadata,
+    vocab_size: usize,
+) -> Result<()> {
     let n = metadata.num_tokens();
     if input_ids.dims() != [n] || input_ids.dtype() != DType::U32 {
         candle_core::bail!(
@@ -114,6 +130,18 @@ fn check_input(component: &str, input_ids: &Tensor, metadata: &AttentionMetadata
             input_ids.dims(),
             input_ids.dtype()
         );
+    }
+    if input_ids.device().is_cpu() {
+        let ids = input_ids.to_vec1::<u32>()?;
+        if let Some((row, id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= vocab_size)
+        {
+            candle_core::bail!(
+                "{component}: token id {id} at row {row} is outside the vocabulary of {vocab_size} tokens"
+            );
+        }
     }
     Ok(())
 }

@@ -19,8 +19,9 @@ use crate::metadata::AttentionMetadata;
 
 const OP: &str = "quantized-llama";
 
-/// Rotary table length, as in candle-transformers' `quantized_llama`.
-pub const MAX_SEQ_LEN: usize = 4096;
+/// The context length of a GGUF without `llama.context_length`: the
+/// rotary table length of candle-transformers' `quantized_llama`.
+pub const DEFAULT_CONTEXT_LENGTH: usize = 4096;
 
 /// The hyper-parameters read from the GGUF metadata (`llama.*` keys).
 #[derive(Clone, Debug, PartialEq)]
@@ -39,7 +40,9 @@ pub struct GgufLlamaParams {
     pub rope_freq_base: f32,
     /// RMS norm epsilon.
     pub rms_norm_eps: f64,
-    /// Context length the model was trained for (`llama.context_length`), if given.
+    /// Context length the model was trained for (`llama.context_length`), if
+    /// given; the model's [`max_seq_len`](PagedModel::max_seq_len), or
+    /// [`DEFAULT_CONTEXT_LENGTH`] without it.
     pub context_length: Option<usize>,
 }
 
@@ -68,6 +71,13 @@ impl GgufLlamaParams {
                 "{OP}: embedding_length {hidden_size} is not a multiple of head_count {num_heads}"
             );
         }
+        let context_length = match ct.metadata.get("llama.context_length") {
+            None => None,
+            Some(v) => match v.to_u64().ok().and_then(|n| usize::try_from(n).ok()) {
+                Some(n) if n > 0 && n <= u32::MAX as usize => Some(n),
+                _ => bail!("{OP}: GGUF llama.context_length must be in 1..=u32::MAX, got {v:?}"),
+            },
+        };
         Ok(Self {
             num_layers: get("llama.block_count")?.to_u32()? as usize,
             num_heads,
@@ -78,10 +88,7 @@ impl GgufLlamaParams {
                 .and_then(|v| v.to_f32())
                 .unwrap_or(10000.),
             rms_norm_eps: get("llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64,
-            context_length: get("llama.context_length")
-                .and_then(|v| v.to_u32())
-                .ok()
-                .map(|v| v as usize),
+            context_length,
         })
     }
 
@@ -235,7 +242,8 @@ impl QuantizedLlama {
                 p.rope_dim
             );
         }
-        let rotary = RotaryEmbedding::new(&inv_freq, MAX_SEQ_LEN, true, DType::F32, device)?;
+        let context = p.context_length.unwrap_or(DEFAULT_CONTEXT_LENGTH);
+        let rotary = RotaryEmbedding::new(&inv_freq, context, true, DType::F32, device)?;
         Ok(Self {
             tok_embeddings: Embedding::new(embd, p.hidden_size),
             layers,
@@ -263,6 +271,10 @@ impl PagedModel for QuantizedLlama {
         self.vocab_size
     }
 
+    fn max_seq_len(&self) -> usize {
+        self.rotary.max_positions()
+    }
+
     fn device(&self) -> &Device {
         &self.device
     }
@@ -278,7 +290,7 @@ impl PagedModel for QuantizedLlama {
         cache: &PagedKvCache,
         rows: &[usize],
     ) -> Result<Tensor> {
-        check_input(OP, input_ids, metadata)?;
+        check_input(OP, input_ids, metadata, self.vocab_size)?;
         check_cache(OP, cache, self.layers.len())?;
         let rotary = self.rotary.at(metadata)?;
         let mut x = self.tok_embeddings.forward(input_ids)?;

@@ -1,9 +1,10 @@
 //! Rotary position embeddings at per-token positions.
 //!
-//! The cos/sin tables are the ones candle-transformers builds
-//! (`positions x inv_freq`); a batch gathers one row per token at the
-//! token's absolute position, so prefills, chunks and decodes of different
-//! sequences share one call.
+//! The cos/sin rows are the ones candle-transformers tabulates
+//! (`position x inv_freq` in f32, then cos and sin), computed for the
+//! batch's tokens at their absolute positions instead of gathered from a
+//! table: prefills, chunks and decodes of different sequences share one
+//! call, and a long context costs no table memory.
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
@@ -11,12 +12,15 @@ use crate::metadata::AttentionMetadata;
 
 const OP: &str = "rotary-embedding";
 
-/// Cos/sin tables `(max_positions, rotary_dim / 2)` in the model's dtype.
+/// Rotary embeddings of positions `0..max_positions`: the inverse
+/// frequencies `(1, rotary_dim / 2)` f32, from which each batch's cos/sin
+/// rows are computed in f32 and cast to the model's dtype.
 #[derive(Clone, Debug)]
 pub struct RotaryEmbedding {
-    cos: Tensor,
-    sin: Tensor,
+    inv_freq: Tensor,
+    max_positions: usize,
     interleaved: bool,
+    dtype: DType,
 }
 
 impl RotaryEmbedding {
@@ -28,14 +32,15 @@ impl RotaryEmbedding {
             .collect()
     }
 
-    /// Tables for `max_positions` positions.
+    /// Rotary embeddings for `max_positions` positions.
     ///
     /// # Arguments
-    /// * `inv_freq` - `rotary_dim / 2` inverse frequencies.
-    /// * `max_positions` - positions `0..max_positions` are supported.
+    /// * `inv_freq` - `rotary_dim / 2` inverse frequencies, finite.
+    /// * `max_positions` - positions `0..max_positions` are supported (the
+    ///   model's context length); at most `u32::MAX`.
     /// * `interleaved` - rotate pairs `(2i, 2i + 1)` (GGUF Llama, `rope_i`)
     ///   instead of `(i, i + d / 2)` (Hugging Face checkpoints, `rope`).
-    /// * `dtype`, `device` - where the tables live (computed in f32).
+    /// * `dtype`, `device` - where the rows live (computed in f32).
     pub fn new(
         inv_freq: &[f32],
         max_positions: usize,
@@ -49,39 +54,49 @@ impl RotaryEmbedding {
                 inv_freq.len()
             );
         }
-        let inv_freq = Tensor::from_slice(inv_freq, (1, inv_freq.len()), device)?;
-        let freqs = Tensor::arange(0u32, max_positions as u32, device)?
-            .to_dtype(DType::F32)?
-            .reshape((max_positions, 1))?
-            .matmul(&inv_freq)?;
+        if max_positions > u32::MAX as usize {
+            bail!("{OP}: max_positions {max_positions} exceeds the u32 positions of a batch");
+        }
+        if let Some(f) = inv_freq.iter().find(|f| !f.is_finite()) {
+            bail!("{OP}: inverse frequencies must be finite, got {f}");
+        }
         Ok(Self {
-            cos: freqs.cos()?.to_dtype(dtype)?,
-            sin: freqs.sin()?.to_dtype(dtype)?,
+            inv_freq: Tensor::from_slice(inv_freq, (1, inv_freq.len()), device)?,
+            max_positions,
             interleaved,
+            dtype,
         })
     }
 
-    /// Positions the tables cover.
+    /// Positions supported: `0..max_positions`.
     pub fn max_positions(&self) -> usize {
-        self.cos.dims()[0]
+        self.max_positions
     }
 
-    /// Gathers the rows of the batch's tokens: cos/sin `(num_tokens, 1, rotary_dim / 2)`.
+    /// The cos/sin rows of the batch's tokens, `(num_tokens, 1, rotary_dim / 2)`.
+    ///
+    /// Fails when a position is `>= max_positions` (beyond the model's
+    /// context length).
     pub fn at(&self, metadata: &AttentionMetadata) -> Result<Rotary> {
-        let max = self.max_positions();
+        let max = self.max_positions;
         if let Some(&p) = metadata
             .positions_host()
             .iter()
             .find(|&&p| p as usize >= max)
         {
-            bail!("{OP}: position {p} is beyond the {max} positions of the rotary tables (max_position_embeddings)");
+            bail!("{OP}: position {p} is beyond the model's context length of {max} positions");
         }
         let positions = metadata.positions();
         let n = positions.dim(0)?;
-        let half = self.cos.dim(1)?;
+        let half = self.inv_freq.dim(1)?;
+        // (n, 1) x (1, half): one product per element, as the table's matmul.
+        let freqs = positions
+            .to_dtype(DType::F32)?
+            .reshape((n, 1))?
+            .broadcast_mul(&self.inv_freq)?;
         Ok(Rotary {
-            cos: self.cos.index_select(positions, 0)?.reshape((n, 1, half))?,
-            sin: self.sin.index_select(positions, 0)?.reshape((n, 1, half))?,
+            cos: freqs.cos()?.to_dtype(self.dtype)?.reshape((n, 1, half))?,
+            sin: freqs.sin()?.to_dtype(self.dtype)?.reshape((n, 1, half))?,
             interleaved: self.interleaved,
         })
     }

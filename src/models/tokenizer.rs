@@ -124,8 +124,19 @@ pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     Ok(enc.get_ids().to_vec())
 }
 
-/// Decodes `ids`, dropping special tokens.
+/// Decodes `ids`, dropping special tokens. Fails on an id the tokenizer
+/// does not know (instead of dropping it silently).
 pub fn decode(tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
+    if let Some((pos, id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| tokenizer.id_to_token(id).is_none())
+    {
+        bail!(
+            "{OP}: token id {id} at position {pos} is not in the vocabulary of {} tokens",
+            tokenizer.get_vocab_size(true)
+        );
+    }
     tokenizer
         .decode(ids, true)
         .map_err(|e| Error::msg(format!("{OP}: decoding {} tokens: {e}", ids.len())))
@@ -188,7 +199,9 @@ pub fn smollm2_chat_prompt(user: &str) -> String {
 }
 
 /// Incremental detokenisation: feeds tokens one by one and yields the text
-/// that became final (byte-level BPE tokens may end inside a UTF-8 character).
+/// that became final (byte-level BPE tokens may end inside a UTF-8
+/// character, whose text waits for the next token). Call
+/// [`finish`](Self::finish) at the end of the stream for what is left.
 #[derive(Debug, Default)]
 pub struct TextStream {
     tokens: Vec<u32>,
@@ -218,6 +231,21 @@ impl TextStream {
         }
     }
 
+    /// Ends the stream: returns the text not emitted yet, if any. A trailing
+    /// incomplete UTF-8 character (the tokens stopped inside it) comes out
+    /// as U+FFFD, as [`decode`] gives it.
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<String>> {
+        let text = decode(tokenizer, &self.tokens)?;
+        match text.get(self.emitted..) {
+            Some(new) if !new.is_empty() => {
+                let new = new.to_string();
+                self.emitted = text.len();
+                Ok(Some(new))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// The text of all tokens so far.
     pub fn text(&self, tokenizer: &Tokenizer) -> Result<String> {
         decode(tokenizer, &self.tokens)
@@ -236,7 +264,8 @@ mod tests {
         Value::Array(items.iter().map(|s| Value::String(s.to_string())).collect())
     }
 
-    /// A GGUF header with a five-token byte-level BPE vocabulary.
+    /// A GGUF header with a ten-token byte-level BPE vocabulary; tokens 8
+    /// and 9 are the bytes 0xC3 and 0xA9 ("é" in UTF-8).
     fn tiny_gguf() -> Content {
         let metadata = HashMap::from([
             (
@@ -249,7 +278,18 @@ mod tests {
             ),
             (
                 "tokenizer.ggml.tokens".to_string(),
-                strings(&["<|im_start|>", "a", "b", "ab", "Ġ", "Ġab", "1", "2"]),
+                strings(&[
+                    "<|im_start|>",
+                    "a",
+                    "b",
+                    "ab",
+                    "Ġ",
+                    "Ġab",
+                    "1",
+                    "2",
+                    "Ã",
+                    "©",
+                ]),
             ),
             (
                 "tokenizer.ggml.merges".to_string(),
@@ -257,7 +297,7 @@ mod tests {
             ),
             (
                 "tokenizer.ggml.token_type".to_string(),
-                Value::Array([3, 1, 1, 1, 1, 1, 1, 1].map(Value::I32).to_vec()),
+                Value::Array([3, 1, 1, 1, 1, 1, 1, 1, 1, 1].map(Value::I32).to_vec()),
             ),
             ("tokenizer.ggml.eos_token_id".to_string(), Value::U32(0)),
         ]);
@@ -319,5 +359,43 @@ mod tests {
         assert_eq!(stream.push(&tok, 3).unwrap().as_deref(), Some("ab"));
         assert_eq!(stream.push(&tok, 5).unwrap().as_deref(), Some(" ab"));
         assert_eq!(stream.text(&tok).unwrap(), "ab ab");
+    }
+
+    #[test]
+    fn decode_refuses_unknown_ids() {
+        let tok = tokenizer_from_gguf(&tiny_gguf()).unwrap();
+        let err = decode(&tok, &[1, 10]).unwrap_err().to_string();
+        assert!(
+            err.starts_with(
+                "tokenizer: token id 10 at position 1 is not in the vocabulary of 10 tokens"
+            ),
+            "{err}"
+        );
+        let err = decode(&tok, &[u32::MAX]).unwrap_err().to_string();
+        assert!(
+            err.starts_with("tokenizer: token id 4294967295 at position 0"),
+            "{err}"
+        );
+        let mut stream = TextStream::new();
+        assert!(stream.push(&tok, 12).is_err());
+    }
+
+    #[test]
+    fn text_stream_waits_for_a_whole_character_and_finish_flushes() {
+        let tok = tokenizer_from_gguf(&tiny_gguf()).unwrap();
+        assert_eq!(decode(&tok, &[8, 9]).unwrap(), "\u{e9}");
+        let mut stream = TextStream::new();
+        assert_eq!(stream.push(&tok, 1).unwrap().as_deref(), Some("a"));
+        // 0xC3 alone is half of a character: nothing yet.
+        assert_eq!(stream.push(&tok, 8).unwrap(), None);
+        assert_eq!(stream.push(&tok, 9).unwrap().as_deref(), Some("\u{e9}"));
+        assert_eq!(stream.finish(&tok).unwrap(), None);
+        // A stream that ends inside a character flushes it as U+FFFD.
+        let mut stream = TextStream::new();
+        assert_eq!(stream.push(&tok, 3).unwrap().as_deref(), Some("ab"));
+        assert_eq!(stream.push(&tok, 8).unwrap(), None);
+        assert_eq!(stream.finish(&tok).unwrap().as_deref(), Some("\u{fffd}"));
+        assert_eq!(stream.finish(&tok).unwrap(), None);
+        assert_eq!(stream.text(&tok).unwrap(), "ab\u{fffd}");
     }
 }

@@ -6,14 +6,17 @@ use candle_transformers::generation::LogitsProcessor;
 
 /// How one sequence picks its tokens and when it stops.
 ///
-/// * `temperature` - `<= 0` is greedy (argmax).
-/// * `top_p` - nucleus sampling threshold in `(0, 1]` (with a temperature).
+/// * `temperature` - finite; below `1e-7` (0 included) is greedy (argmax),
+///   as in candle-transformers' `LogitsProcessor`.
+/// * `top_p` - nucleus sampling threshold in `(0, 1]` (with a temperature);
+///   it is applied in f32, so it must be at least `f32::MIN_POSITIVE`
+///   (about `1.2e-38`), below which it would round to 0 and keep no token.
 /// * `seed` - the sequence's random seed.
 /// * `max_tokens` - new tokens to generate at most.
 /// * `stop_tokens` - generation stops after any of these (it is kept in the output).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
-    /// Softmax temperature; `<= 0` is greedy.
+    /// Softmax temperature; below `1e-7` is greedy.
     pub temperature: f64,
     /// Nucleus sampling threshold.
     pub top_p: Option<f64>,
@@ -58,6 +61,12 @@ impl SamplingParams {
             if !(p > 0.0 && p <= 1.0) {
                 bail!("sampling: top_p must be in (0, 1], got {p}");
             }
+            if (p as f32) < f32::MIN_POSITIVE {
+                bail!(
+                    "sampling: top_p {p:e} is too small: it is applied in f32 and must be at least {:e}",
+                    f32::MIN_POSITIVE
+                );
+            }
         }
         if self.max_tokens == 0 {
             bail!("sampling: max_tokens must be at least 1, got 0");
@@ -66,6 +75,9 @@ impl SamplingParams {
     }
 }
 
+/// Temperatures below this are greedy (candle-transformers' threshold).
+const GREEDY_BELOW: f64 = 1e-7;
+
 /// The sampler of one sequence (candle-transformers' `LogitsProcessor`).
 pub struct Sampler {
     inner: LogitsProcessor,
@@ -73,16 +85,16 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// A sampler for `params` (greedy when the temperature is `<= 0`).
+    /// A sampler for `params` (greedy when the temperature is below `1e-7`).
     pub fn new(params: &SamplingParams) -> Self {
-        let temperature = (params.temperature > 0.0).then_some(params.temperature);
+        let temperature = (params.temperature >= GREEDY_BELOW).then_some(params.temperature);
         Self {
             inner: LogitsProcessor::new(params.seed, temperature, params.top_p),
             greedy: temperature.is_none(),
         }
     }
 
-    /// True when the sampler takes the argmax (temperature `<= 0`), so a
+    /// True when the sampler takes the argmax (temperature below `1e-7`), so a
     /// batch's greedy tokens can be picked on the device in one pass.
     pub fn is_greedy(&self) -> bool {
         self.greedy

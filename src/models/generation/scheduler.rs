@@ -1,13 +1,18 @@
 //! Continuous batching: an engine that admits requests, schedules chunked
 //! prefills and decodes within a token budget, runs the model and samples.
+//!
+//! Failures are isolated: a request that cannot run is refused by
+//! [`Engine::add_request`] or finishes with [`FinishReason::Error`] while the
+//! others go on; a step that fails for a reason no request owns (the model,
+//! a kernel, the device) is rolled back and its error returned.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, Device, Error, Result, Tensor, D};
 
 use super::sampling::{Sampler, SamplingParams};
-use crate::cache::{BlockManager, Work};
+use crate::cache::{BlockManager, ScheduledBatch, Work};
 use crate::models::{PagedKvCache, PagedModel};
 
 const OP: &str = "engine";
@@ -15,7 +20,8 @@ const OP: &str = "engine";
 /// Limits of one engine step.
 ///
 /// * `max_batch_tokens` - query tokens per step (decodes count one each;
-///   prompts are prefilled in chunks that fit what is left).
+///   prompts are prefilled in chunks that fit what is left; the decodes of
+///   all running sequences always run, so keep it `>= max_num_seqs`).
 /// * `max_num_seqs` - sequences running at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -45,17 +51,26 @@ pub struct Request {
     pub params: SamplingParams,
 }
 
-/// Why a sequence stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Why a request ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FinishReason {
-    /// It produced a stop token.
+    /// It produced a stop token (kept as its last token).
     Stop,
     /// It reached `max_tokens`.
     Length,
+    /// [`Engine::abort`] cancelled it.
+    Aborted,
+    /// It could not go on: the message says why (it names the request). The
+    /// completion's tokens are those generated before, all valid. Raised
+    /// when a sequence outgrows the KV cache while running alone (its next
+    /// token needs more blocks than the whole cache has), when its sampler
+    /// fails on its logits (NaN, say), or when the block manager refuses
+    /// to admit it.
+    Error(String),
 }
 
 /// A token produced by [`Engine::step`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TokenEvent {
     /// The request.
     pub id: u64,
@@ -65,7 +80,7 @@ pub struct TokenEvent {
     pub finished: Option<FinishReason>,
 }
 
-/// A finished request.
+/// A finished request: the tokens it generated and why it ended.
 #[derive(Clone, Debug)]
 pub struct Completion {
     /// The request.
@@ -76,12 +91,23 @@ pub struct Completion {
     pub tokens: Vec<u32>,
     /// Why it stopped.
     pub finish: FinishReason,
-    /// From admission to the first token.
+    /// From admission to the first token (zero when none was generated).
     pub time_to_first_token: Duration,
     /// From admission to the last token.
     pub latency: Duration,
     /// Times it was preempted (its cache dropped and recomputed).
     pub preemptions: usize,
+}
+
+impl Completion {
+    /// The error message when the request finished with
+    /// [`FinishReason::Error`].
+    pub fn error(&self) -> Option<&str> {
+        match &self.finish {
+            FinishReason::Error(e) => Some(e),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -104,6 +130,31 @@ impl Sequence {
         t.extend_from_slice(&self.generated);
         t
     }
+
+    fn context_len(&self) -> usize {
+        self.request.prompt.len() + self.generated.len()
+    }
+
+    fn into_completion(self, finish: FinishReason) -> Completion {
+        Completion {
+            id: self.request.id,
+            prompt_len: self.request.prompt.len(),
+            tokens: self.generated,
+            finish,
+            time_to_first_token: self.first_token.unwrap_or_default(),
+            latency: self.arrival.elapsed(),
+            preemptions: self.preemptions,
+        }
+    }
+}
+
+/// What a successful forward pass hands to the sampling of a step.
+struct StepLogits {
+    /// Argmax of every logit row (empty when no sequence is greedy).
+    argmax: Vec<u32>,
+    /// The logit rows of the sampled (non-greedy) sequences, on the host,
+    /// by logit row.
+    sampled: Vec<Option<Tensor>>,
 }
 
 /// Runs requests through a [`PagedModel`] with continuous batching.
@@ -111,8 +162,30 @@ impl Sequence {
 /// Each [`step`](Self::step) schedules the decodes of all running sequences,
 /// then prefill chunks of sequences still reading their prompts, then admits
 /// waiting requests while the token budget and `max_num_seqs` allow. When
-/// the cache runs out of blocks, the newest sequence is preempted (its
-/// blocks freed, its prompt and generated tokens recomputed later).
+/// the cache runs out of blocks, the newest admission is put back or the
+/// newest running sequence is preempted (its blocks freed, its prompt and
+/// generated tokens recomputed later).
+///
+/// # Failures
+/// * [`add_request`](Self::add_request) refuses what can never run: invalid
+///   sampling parameters, an empty prompt, a token id outside the
+///   vocabulary, a prompt plus `max_tokens` beyond the model's
+///   [`max_seq_len`](PagedModel::max_seq_len), a prompt larger than the
+///   whole cache. The error names the request.
+/// * A sequence that outgrows the cache while running alone (a prompt chunk
+///   is first halved down to one token) finishes with
+///   [`FinishReason::Error`] and the tokens generated so far; a sampler
+///   that fails on a sequence's logits finishes that sequence the same way.
+///   The others go on.
+/// * When the forward pass (or reading its logits) fails, the step is
+///   rolled back exactly: block allocations, computed positions, the tokens
+///   waiting to be fed back, the step's admissions; no token is sampled.
+///   `step` and `run` return the error; calling them again retries, and
+///   recomputes the same positions with the same tokens. Preemptions the
+///   step made stand (a preempted sequence recomputes its tokens later).
+///
+/// Every step makes progress (a batch runs or a request finishes) or
+/// returns an error, so [`run`](Self::run) never spins.
 pub struct Engine<'m, M: PagedModel + ?Sized> {
     model: &'m M,
     cache: PagedKvCache,
@@ -122,13 +195,18 @@ pub struct Engine<'m, M: PagedModel + ?Sized> {
     running: Vec<Sequence>,
     completions: Vec<Completion>,
     steps: usize,
+    /// Requests finished so far (in any way but an abort).
+    finished: usize,
 }
 
 impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// An engine over `model` whose layers store into `cache`.
     pub fn new(model: &'m M, cache: PagedKvCache, config: SchedulerConfig) -> Result<Self> {
-        if config.max_batch_tokens == 0 || config.max_num_seqs == 0 {
-            bail!("{OP}: max_batch_tokens and max_num_seqs must be positive, got {config:?}");
+        if config.max_batch_tokens == 0 {
+            bail!("{OP}: max_batch_tokens must be at least 1, got 0");
+        }
+        if config.max_num_seqs == 0 {
+            bail!("{OP}: max_num_seqs must be at least 1, got 0");
         }
         let manager = cache.block_manager()?;
         Ok(Self {
@@ -140,16 +218,27 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             running: Vec::new(),
             completions: Vec::new(),
             steps: 0,
+            finished: 0,
         })
     }
 
     /// Queues a request; it joins the running batch at a later step.
+    ///
+    /// Fails, naming the request, when its sampling parameters are invalid,
+    /// its prompt is empty, its id is already queued or running, a prompt
+    /// token is `>= vocab_size`, its prompt length plus `max_tokens` exceeds
+    /// the model's context length, or its prompt needs more blocks than the
+    /// whole cache has. A refused request is not queued.
     pub fn add_request(&mut self, request: Request) -> Result<()> {
-        request.params.validate()?;
-        if request.prompt.is_empty() {
-            bail!("{OP}: request {} has an empty prompt", request.id);
-        }
         let id = request.id;
+        request
+            .params
+            .validate()
+            .map_err(|e| Error::msg(format!("{OP}: request {id}: {e}")))?;
+        let prompt = &request.prompt;
+        if prompt.is_empty() {
+            bail!("{OP}: request {id} has an empty prompt");
+        }
         if self
             .running
             .iter()
@@ -157,6 +246,34 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             .any(|s| s.request.id == id)
         {
             bail!("{OP}: request id {id} is already queued or running");
+        }
+        let vocab = self.model.vocab_size();
+        if let Some((pos, tok)) = prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            bail!(
+                "{OP}: request {id} has token id {tok} at prompt position {pos}, outside the model's vocabulary of {vocab} tokens"
+            );
+        }
+        let max_len = self.model.max_seq_len();
+        let max_tokens = request.params.max_tokens;
+        match prompt.len().checked_add(max_tokens) {
+            Some(total) if total <= max_len => {}
+            total => bail!(
+                "{OP}: request {id} needs {} prompt tokens + {max_tokens} new tokens = {} positions, more than the model's context length of {max_len}",
+                prompt.len(),
+                total.map_or_else(|| "more than usize::MAX".to_string(), |t| t.to_string())
+            ),
+        }
+        let (bs, num_blocks) = (self.cache.block_size(), self.cache.config().num_blocks);
+        let need = prompt.len().div_ceil(bs);
+        if need > num_blocks {
+            bail!(
+                "{OP}: request {id} has {} prompt tokens, which need {need} blocks of {bs} tokens, but the KV cache has {num_blocks} blocks in all",
+                prompt.len()
+            );
         }
         self.waiting.push_back(Sequence {
             sampler: Sampler::new(&request.params),
@@ -170,6 +287,29 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         Ok(())
     }
 
+    /// Cancels request `id`, waiting or running, and frees its blocks.
+    ///
+    /// Returns its completion ([`FinishReason::Aborted`], with the tokens
+    /// generated so far), or `None` when no such request is waiting or
+    /// running (it may have finished already: its completion is then among
+    /// those of [`take_completions`](Self::take_completions)). An aborted
+    /// request never appears among the engine's completions.
+    pub fn abort(&mut self, id: u64) -> Result<Option<Completion>> {
+        if let Some(pos) = self.waiting.iter().position(|s| s.request.id == id) {
+            // Waiting sequences hold no blocks (preemption freed them).
+            return Ok(self
+                .waiting
+                .remove(pos)
+                .map(|seq| seq.into_completion(FinishReason::Aborted)));
+        }
+        let Some(pos) = self.running.iter().position(|s| s.request.id == id) else {
+            return Ok(None);
+        };
+        let seq = self.running.remove(pos);
+        self.manager.free(id)?;
+        Ok(Some(seq.into_completion(FinishReason::Aborted)))
+    }
+
     /// True while requests are waiting or running.
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
@@ -180,7 +320,12 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         self.running.len()
     }
 
-    /// Steps run so far.
+    /// Requests waiting to join the running batch (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Steps run so far (batches whose forward pass succeeded).
     pub fn num_steps(&self) -> usize {
         self.steps
     }
@@ -190,82 +335,149 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         &self.cache
     }
 
+    /// The block manager (which blocks each running sequence holds).
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.manager
+    }
+
     /// Finished requests, in the order they finished (drained).
     pub fn take_completions(&mut self) -> Vec<Completion> {
         std::mem::take(&mut self.completions)
     }
 
     /// Runs steps until every request has finished; `on_token` sees each
-    /// token as it is sampled. Returns the completions in finishing order.
+    /// token as it is sampled. Returns the completions in finishing order
+    /// (requests that ended with [`FinishReason::Error`] included).
+    ///
+    /// When a step fails (see [`step`](Self::step)), returns its error at
+    /// once: the step is rolled back, the completions of the requests that
+    /// finished before stay in [`take_completions`](Self::take_completions),
+    /// and calling `run` again retries.
     pub fn run(&mut self, mut on_token: impl FnMut(&TokenEvent)) -> Result<Vec<Completion>> {
         while self.has_work() {
+            let before = (self.steps, self.finished);
             for ev in self.step()? {
                 on_token(&ev);
+            }
+            if (self.steps, self.finished) == before {
+                // Every step runs a batch or finishes a request; this guards
+                // the loop against a scheduling bug all the same.
+                bail!(
+                    "{OP}: a step made no progress ({} waiting, {} running requests, {} of {} blocks free)",
+                    self.waiting.len(),
+                    self.running.len(),
+                    self.manager.num_free_blocks(),
+                    self.cache.config().num_blocks
+                );
             }
         }
         Ok(self.take_completions())
     }
 
-    /// Schedules and runs one batch; returns the tokens it sampled.
+    /// Schedules and runs one batch; returns the tokens it sampled (none
+    /// when the batch only computed prompt chunks, or when the step only
+    /// finished requests with errors).
+    ///
+    /// Requests that cannot go on finish with [`FinishReason::Error`] (see
+    /// [`Engine`]); their completions wait in
+    /// [`take_completions`](Self::take_completions). When the forward pass
+    /// fails, the step is rolled back exactly and its error returned: call
+    /// `step` again to retry it.
     pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
-        // Admissions allowed this step: lowered when a batch does not fit.
-        let mut admit_limit = usize::MAX;
+        if !self.has_work() {
+            return Ok(Vec::new());
+        }
+        let mut admitted = self.admit();
+        // At most this many prompt tokens per sequence: halved while a lone
+        // sequence's chunk does not fit (sliding-window pools).
+        let mut chunk_limit = usize::MAX;
         loop {
-            let admitted = self.admit(admit_limit);
-            let work = self.plan();
+            let work = self.plan(chunk_limit);
             if work.is_empty() {
-                if self.waiting.is_empty() {
+                if !self.has_work() {
+                    // This step finished every request with an error.
                     return Ok(Vec::new());
                 }
                 bail!(
-                    "{OP}: request {} cannot be scheduled: its {} prompt tokens need more blocks than the cache has free ({} free of {})",
-                    self.waiting[0].request.id,
-                    self.waiting[0].context().len(),
-                    self.manager.num_free_blocks(),
-                    self.cache.config().num_blocks
+                    "{OP}: nothing can be scheduled although {} requests wait and {} run (max_num_seqs {})",
+                    self.waiting.len(),
+                    self.running.len(),
+                    self.config.max_num_seqs
                 );
             }
-            match self.manager.schedule(&work, self.model.device()) {
-                Ok(batch) => return self.run_batch(batch),
+            let shortfall = match self.manager.shortfall(&work) {
+                Ok(s) => s,
                 Err(e) => {
-                    if admitted > 0 {
+                    self.unadmit(admitted)?;
+                    return Err(e);
+                }
+            };
+            let Some(why) = shortfall else {
+                let batch = match self.manager.schedule(&work, self.model.device()) {
+                    Ok(batch) => batch,
+                    Err(e) => {
                         self.unadmit(admitted)?;
-                        admit_limit = admitted - 1;
-                    } else if self.running.len() > 1 {
-                        self.preempt_newest()?;
-                        admit_limit = 0;
-                    } else {
                         return Err(e);
                     }
+                };
+                return self.run_batch(batch, admitted);
+            };
+            if self.running.len() > 1 {
+                if admitted > 0 {
+                    self.unadmit(1)?;
+                    admitted -= 1;
+                } else {
+                    self.preempt_newest()?;
                 }
+                continue;
             }
+            // One sequence alone: smaller prompt chunks may fit the window
+            // pools; a single token that does not fit never will.
+            let largest_chunk = work
+                .iter()
+                .filter_map(|w| match w {
+                    Work::Prefill { num_tokens, .. } => Some(*num_tokens),
+                    Work::Decode { .. } => None,
+                })
+                .max()
+                .unwrap_or(0);
+            if largest_chunk > 1 {
+                chunk_limit = largest_chunk / 2;
+                continue;
+            }
+            self.fail_running_alone(&why)?;
+            admitted = self.admit();
+            chunk_limit = usize::MAX;
         }
     }
 
-    /// Moves up to `limit` waiting requests into the running batch while
-    /// sequences and a rough block estimate allow; returns how many joined.
-    fn admit(&mut self, limit: usize) -> usize {
+    /// Moves waiting requests into the running batch while sequences and a
+    /// rough block estimate allow; returns how many joined. A request the
+    /// block manager refuses finishes with an error.
+    fn admit(&mut self) -> usize {
         let bs = self.cache.block_size();
         let mut free = self.manager.num_free_blocks();
         let mut admitted = 0;
-        while admitted < limit && self.running.len() < self.config.max_num_seqs {
+        while self.running.len() < self.config.max_num_seqs {
             let Some(seq) = self.waiting.front() else {
                 break;
             };
-            let need = seq.context().len().div_ceil(bs);
-            // The first admission of an empty batch always tries, so that an
-            // impossible prompt reports an error instead of waiting forever.
+            let need = seq.context_len().div_ceil(bs);
+            // The first admission of an empty batch always tries, so that a
+            // sequence too large for the cache ends with an error instead of
+            // waiting forever.
             if need > free && !(self.running.is_empty() && admitted == 0) {
                 break;
             }
-            let seq = self.waiting.pop_front().expect("front exists");
-            if self
-                .manager
-                .add_sequence(seq.request.id, &seq.context())
-                .is_err()
-            {
-                self.waiting.push_front(seq);
+            let Some(seq) = self.waiting.pop_front() else {
                 break;
+            };
+            if let Err(e) = self.manager.add_sequence(seq.request.id, &seq.context()) {
+                let why = format!("{OP}: request {} cannot be admitted: {e}", seq.request.id);
+                self.finished += 1;
+                self.completions
+                    .push(seq.into_completion(FinishReason::Error(why)));
+                continue;
             }
             free = free.saturating_sub(need);
             self.running.push(seq);
@@ -274,10 +486,13 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         admitted
     }
 
-    /// Takes the `n` newest admissions back to the waiting queue.
+    /// Takes the `n` newest admissions back to the front of the waiting
+    /// queue, in their order.
     fn unadmit(&mut self, n: usize) -> Result<()> {
         for _ in 0..n {
-            let seq = self.running.pop().expect("admitted sequences are running");
+            let Some(seq) = self.running.pop() else {
+                bail!("{OP}: cannot take back an admission: no sequence is running");
+            };
             self.manager.free(seq.request.id)?;
             self.waiting.push_front(seq);
         }
@@ -286,7 +501,9 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
 
     /// Frees the newest running sequence and queues it for recomputation.
     fn preempt_newest(&mut self) -> Result<()> {
-        let mut seq = self.running.pop().expect("at least two sequences run");
+        let Some(mut seq) = self.running.pop() else {
+            bail!("{OP}: cannot preempt: no sequence is running");
+        };
         self.manager.free(seq.request.id)?;
         seq.pending = None;
         seq.preemptions += 1;
@@ -294,8 +511,30 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         Ok(())
     }
 
-    /// Decodes first, then prefill chunks, within the token budget.
-    fn plan(&self) -> Vec<Work> {
+    /// Finishes the only running sequence, which cannot get the blocks of
+    /// its next token even with the whole cache to itself.
+    fn fail_running_alone(&mut self, why: &str) -> Result<()> {
+        let Some(seq) = self.running.pop() else {
+            bail!("{OP}: no running sequence to finish ({why})");
+        };
+        let id = seq.request.id;
+        self.manager.free(id)?;
+        let msg = format!(
+            "{OP}: request {id} outgrew the KV cache: with {} tokens in context it needs more blocks than the cache has even alone ({} blocks of {} tokens); it ends with the {} tokens generated so far ({why})",
+            seq.context_len(),
+            self.cache.config().num_blocks,
+            self.cache.block_size(),
+            seq.generated.len()
+        );
+        self.finished += 1;
+        self.completions
+            .push(seq.into_completion(FinishReason::Error(msg)));
+        Ok(())
+    }
+
+    /// Decodes first, then prefill chunks of at most `chunk_limit` tokens,
+    /// within the token budget.
+    fn plan(&self, chunk_limit: usize) -> Vec<Work> {
         let mut budget = self.config.max_batch_tokens;
         let mut work = Vec::with_capacity(self.running.len());
         for seq in &self.running {
@@ -314,7 +553,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             let id = seq.request.id;
             let total = self.manager.tokens(id).map_or(0, |t| t.len());
             let done = self.manager.num_computed(id).unwrap_or(total);
-            let n = (total - done).min(budget);
+            let n = total.saturating_sub(done).min(budget).min(chunk_limit);
             if n > 0 {
                 work.push(Work::Prefill {
                     seq_id: id,
@@ -326,54 +565,102 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         work
     }
 
-    fn run_batch(&mut self, batch: crate::cache::ScheduledBatch) -> Result<Vec<TokenEvent>> {
-        self.steps += 1;
+    /// Runs the model on `batch` and reads what sampling needs: everything
+    /// that can fail for a reason no request owns, with nothing changed.
+    fn forward(&self, batch: &ScheduledBatch, ready: &[usize]) -> Result<StepLogits> {
         let dev = self.model.device();
         let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
-        let ready: Vec<usize> = (0..batch.seq_ids.len())
-            .filter(|&i| batch.ready[i])
-            .collect();
-        let mut events = Vec::with_capacity(ready.len());
-        for seq in &mut self.running {
-            if batch.seq_ids.contains(&seq.request.id) {
-                seq.pending = None;
-            }
-        }
         if ready.is_empty() {
             // Only prompt chunks that do not end their prompts: the keys and
             // values are stored, no logits are needed (one row is computed).
             self.model
                 .forward(&input, &batch.metadata, &self.cache, &[0])?;
-            return Ok(events);
+            return Ok(StepLogits {
+                argmax: Vec::new(),
+                sampled: Vec::new(),
+            });
         }
         let rows: Vec<usize> = ready.iter().map(|&i| batch.last_rows[i]).collect();
         let logits = self
             .model
             .forward(&input, &batch.metadata, &self.cache, &rows)?;
+        let vocab = self.model.vocab_size();
+        if logits.dims() != [rows.len(), vocab] {
+            bail!(
+                "{OP}: the model returned logits of shape {:?} for {} rows of a {vocab}-token vocabulary",
+                logits.dims(),
+                rows.len()
+            );
+        }
+        let greedy: Vec<bool> = ready
+            .iter()
+            .map(|&i| {
+                self.running
+                    .iter()
+                    .find(|s| s.request.id == batch.seq_ids[i])
+                    .is_none_or(|s| s.sampler.is_greedy())
+            })
+            .collect();
         // Greedy rows take their argmax on the logits' device in one pass
         // and one copy, instead of one copy of a vocabulary row per sequence.
-        let any_greedy = ready.iter().any(|&i| {
-            self.running
-                .iter()
-                .any(|s| s.request.id == batch.seq_ids[i] && s.sampler.is_greedy())
-        });
-        let argmax: Vec<u32> = if any_greedy {
-            logits.argmax(candle_core::D::Minus1)?.to_vec1()?
+        let argmax: Vec<u32> = if greedy.iter().any(|&g| g) {
+            logits.argmax(D::Minus1)?.to_vec1()?
         } else {
             Vec::new()
         };
+        let mut sampled = vec![None; rows.len()];
+        if greedy.iter().any(|&g| !g) {
+            let host = logits.to_device(&Device::Cpu)?;
+            for (r, g) in greedy.iter().enumerate() {
+                if !g {
+                    sampled[r] = Some(host.get(r)?);
+                }
+            }
+        }
+        Ok(StepLogits { argmax, sampled })
+    }
+
+    fn run_batch(&mut self, batch: ScheduledBatch, admitted: usize) -> Result<Vec<TokenEvent>> {
+        let ready: Vec<usize> = (0..batch.seq_ids.len())
+            .filter(|&i| batch.ready[i])
+            .collect();
+        let logits = match self.forward(&batch, &ready) {
+            Ok(l) => l,
+            Err(e) => {
+                let (seqs, tokens) = (batch.seq_ids.len(), batch.token_ids.len());
+                self.manager.rollback(batch)?;
+                self.unadmit(admitted)?;
+                return Err(e.context(format!(
+                    "{OP}: the forward pass of a batch of {seqs} sequences and {tokens} tokens failed; the step was rolled back and can be retried"
+                )));
+            }
+        };
+        // The step is committed: nothing below fails for a reason no request owns.
+        self.steps += 1;
+        for seq in &mut self.running {
+            if batch.seq_ids.contains(&seq.request.id) {
+                seq.pending = None;
+            }
+        }
+        let mut events = Vec::with_capacity(ready.len());
         let mut finished = Vec::new();
         for (r, &i) in ready.iter().enumerate() {
             let id = batch.seq_ids[i];
-            let seq = self
-                .running
-                .iter_mut()
-                .find(|s| s.request.id == id)
-                .expect("scheduled sequences are running");
-            let token = if seq.sampler.is_greedy() {
-                argmax[r]
-            } else {
-                seq.sampler.sample(&logits.get(r)?)?
+            let Some(seq) = self.running.iter_mut().find(|s| s.request.id == id) else {
+                bail!("{OP}: scheduled sequence {id} is not running");
+            };
+            let token = match (&logits.sampled[r], logits.argmax.get(r)) {
+                (Some(row), _) => match seq.sampler.sample(row) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let why =
+                            format!("{OP}: request {id}: sampling its next token failed: {e}");
+                        finished.push((id, FinishReason::Error(why)));
+                        continue;
+                    }
+                },
+                (None, Some(&t)) => t,
+                (None, None) => bail!("{OP}: no logits were read for request {id}"),
             };
             seq.generated.push(token);
             seq.first_token.get_or_insert_with(|| seq.arrival.elapsed());
@@ -385,8 +672,8 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                 seq.pending = Some(token);
                 None
             };
-            if let Some(f) = finish {
-                finished.push((id, f));
+            if let Some(f) = &finish {
+                finished.push((id, f.clone()));
             }
             events.push(TokenEvent {
                 id,
@@ -401,22 +688,13 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     }
 
     fn finish(&mut self, id: u64, finish: FinishReason) -> Result<()> {
-        let pos = self
-            .running
-            .iter()
-            .position(|s| s.request.id == id)
-            .expect("finished sequences are running");
+        let Some(pos) = self.running.iter().position(|s| s.request.id == id) else {
+            bail!("{OP}: finished sequence {id} is not running");
+        };
         let seq = self.running.remove(pos);
         self.manager.free(id)?;
-        self.completions.push(Completion {
-            id,
-            prompt_len: seq.request.prompt.len(),
-            tokens: seq.generated,
-            finish,
-            time_to_first_token: seq.first_token.unwrap_or_default(),
-            latency: seq.arrival.elapsed(),
-            preemptions: seq.preemptions,
-        });
+        self.finished += 1;
+        self.completions.push(seq.into_completion(finish));
         Ok(())
     }
 }

@@ -1,0 +1,192 @@
+//! The `generate` runner's errors: flags are checked before anything is
+//! loaded or allocated and every error names its flag; a prompt that cannot
+//! run prints its error while the others complete.
+//!
+//! The runner's source is compiled into this test, whose cases call its
+//! `run` with parsed flags and read what it prints. Cases that need the
+//! model use SmolLM2-135M-Instruct through `scripts/fetch-smollm2.sh`.
+
+#![cfg(feature = "models")]
+
+#[path = "../examples/generate.rs"]
+#[allow(dead_code)]
+mod generate;
+
+use anyhow::{ensure, Result};
+use clap::Parser;
+
+/// Runs the runner with `flags`; returns what it printed and its error
+/// (with its causes, `a: b`), if any.
+fn run(flags: &[&str]) -> Result<(String, Option<String>)> {
+    let args =
+        generate::Args::try_parse_from(std::iter::once("generate").chain(flags.iter().copied()))?;
+    let mut out = Vec::new();
+    let err = generate::run(args, &mut out)
+        .err()
+        .map(|e| format!("{e:#}"));
+    Ok((String::from_utf8(out)?, err))
+}
+
+/// The runner's error for `flags`, which must fail.
+fn error_of(flags: &[&str]) -> Result<String> {
+    let (_, err) = run(flags)?;
+    err.ok_or_else(|| anyhow::anyhow!("{flags:?} did not fail"))
+}
+
+#[test]
+fn flags_are_checked_before_loading_and_name_the_flag() -> Result<()> {
+    let checks: &[(&[&str], &str)] = &[
+        (&["--chunk-tokens", "0"], "--chunk-tokens must be at least 1, got 0"),
+        (&["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
+        (&["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+        (&["--block-size", "0"], "--block-size must be at least 1, got 0"),
+        (&["--num-blocks", "0"], "--num-blocks must be at least 1, got 0"),
+        (&["--window-blocks", "0"], "--window-blocks must be at least 1, got 0"),
+        (
+            &["--kv-memory-mb", "17592186044417"],
+            "--kv-memory-mb 17592186044417 is too large: its bytes overflow usize",
+        ),
+        (&["--temperature", "NaN"], "--temperature must be finite, got NaN"),
+        (
+            &["--top-p", "1e-50"],
+            "--top-p: sampling: top_p 1e-50 is too small: it is applied in f32 and must be at least 1.1754944e-38",
+        ),
+        (&["--top-p", "1.5"], "--top-p: sampling: top_p must be in (0, 1], got 1.5"),
+        (
+            &["--seed", "18446744073709551615", "--prompt", "a", "--prompt", "b"],
+            "--seed 18446744073709551615: prompt i uses seed + i, which overflows u64 for 2 prompts",
+        ),
+        (
+            &["--prefix-caching", "--window-blocks", "8"],
+            "--prefix-caching cannot be combined with --window-blocks",
+        ),
+        (&["--device", "tpu"], "--device must be cpu or cuda, got tpu"),
+    ];
+    for (flags, want) in checks {
+        let got = error_of(flags)?;
+        ensure!(
+            got.starts_with(want),
+            "{flags:?}: expected {want:?}, got {got:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn an_empty_or_blank_prompts_file_is_an_error() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("cpa-runner-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for (name, text) in [("empty.txt", ""), ("blank.txt", "\n  \n\t\n")] {
+        let path = dir.join(name);
+        std::fs::write(&path, text)?;
+        let p = path.display().to_string();
+        let got = error_of(&["--prompts-file", &p])?;
+        let want = format!("--prompts-file {p} holds no prompt (the file is empty or blank)");
+        ensure!(got.starts_with(&want), "{got}");
+        // Even with a --prompt beside it.
+        let got = error_of(&["--prompt", "hi", "--prompts-file", &p])?;
+        ensure!(got.starts_with(&want), "{got}");
+    }
+    let missing = dir.join("missing.txt").display().to_string();
+    let got = error_of(&["--prompts-file", &missing])?;
+    ensure!(
+        got.starts_with(&format!("--prompts-file: reading {missing}")),
+        "{got}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn cache_sizes_that_overflow_or_exceed_memory_name_the_flag() -> Result<()> {
+    // SmolLM2: 30 layers x 2 x 3 KV heads x 64 x 4 bytes per token.
+    let got = error_of(&["--block-size", "18014398509481984"])?;
+    ensure!(
+        got.starts_with("--block-size 18014398509481984: one cache block of a layer would take more than usize::MAX bytes"),
+        "{got}"
+    );
+    let got = error_of(&["--num-blocks", "100000000000"])?;
+    ensure!(
+        got.starts_with("--num-blocks 100000000000: the KV cache would take 73728000000000000 bytes (100000000000 blocks of 16 tokens in 30 layers), more than the ")
+            && got.ends_with(" bytes of memory available"),
+        "{got}"
+    );
+    let got = error_of(&["--kv-memory-mb", "1000000000000"])?;
+    ensure!(
+        got.starts_with("--kv-memory-mb 1000000000000: the KV cache would take "),
+        "{got}"
+    );
+    let got = error_of(&["--block-size", "100000000"])?;
+    ensure!(
+        got.starts_with("--kv-memory-mb 256: 268435456 bytes hold no cache block (30 layers x 153600000000 bytes per block of 100000000 tokens; see --block-size)"),
+        "{got}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_prompt_beyond_the_context_prints_its_error_and_the_others_complete() -> Result<()> {
+    let long = "hello ".repeat(9000);
+    let (out, err) = run(&[
+        "--prompt",
+        "What is 2 + 2?",
+        "--prompt",
+        &long,
+        "--max-tokens",
+        "4",
+    ])?;
+    let err = err.unwrap_or_default();
+    ensure!(
+        err == "1 of 2 prompts failed (see their errors above)",
+        "{err}"
+    );
+    let (first, second) = out
+        .split_once("--- [1] ")
+        .ok_or_else(|| anyhow::anyhow!("no second prompt in {out:?}"))?;
+    let answer = first
+        .strip_prefix("--- [0] What is 2 + 2?\n")
+        .ok_or_else(|| anyhow::anyhow!("no first prompt in {first:?}"))?;
+    ensure!(
+        !answer.trim().is_empty() && !answer.contains("error"),
+        "{answer:?}"
+    );
+    ensure!(
+        second.contains("\nerror: prompt 1: engine: request 1 needs ")
+            && second.contains(" prompt tokens + 4 new tokens = ")
+            && second.contains("positions, more than the model's context length of 8192"),
+        "{second:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_prompt_outgrowing_the_cache_keeps_its_text_and_prints_its_error() -> Result<()> {
+    // One block of 16 tokens: a 4-token raw prompt generates 13 tokens, then
+    // its next token has no block.
+    let (out, err) = run(&[
+        "--raw",
+        "--prompt",
+        "Once upon a time",
+        "--num-blocks",
+        "1",
+        "--max-tokens",
+        "40",
+    ])?;
+    let err = err.unwrap_or_default();
+    ensure!(
+        err == "1 of 1 prompts failed (see their errors above)",
+        "{err}"
+    );
+    let (text, error) = out
+        .split_once("\nerror: prompt 0: ")
+        .ok_or_else(|| anyhow::anyhow!("no error line in {out:?}"))?;
+    let text = text
+        .strip_prefix("> Once upon a time\n")
+        .ok_or_else(|| anyhow::anyhow!("no prompt line in {text:?}"))?;
+    ensure!(text.split_whitespace().count() >= 3, "{text:?}");
+    ensure!(
+        error.starts_with("engine: request 0 outgrew the KV cache: with 17 tokens in context it needs more blocks than the cache has even alone (1 blocks of 16 tokens); it ends with the 13 tokens generated so far"),
+        "{error:?}"
+    );
+    Ok(())
+}
