@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
 
 use crate::batch::PagedBatch;
-use crate::ops::KvScales;
+use crate::ops::{check_scale, KvScales};
 
 /// Largest head size the kernels accept.
 pub const MAX_HEAD_SIZE: usize = 512;
@@ -175,9 +175,10 @@ pub struct AttentionDims {
 }
 
 impl AttentionDims {
-    /// Query heads per KV head.
+    /// Query heads per KV head (0 when `num_kv_heads` is 0, which validated
+    /// dimensions never are).
     pub fn group_size(&self) -> usize {
-        self.num_heads / self.num_kv_heads
+        self.num_heads.checked_div(self.num_kv_heads).unwrap_or(0)
     }
 }
 
@@ -267,6 +268,9 @@ impl PagedAttentionParams {
                 "{OP}: q has head_size {head_size} but key_cache has head_size {cache_head_size}"
             );
         }
+        if num_heads == 0 {
+            bail!("{OP}: q has 0 heads; num_heads must be at least 1");
+        }
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             bail!("{OP}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}");
         }
@@ -330,9 +334,7 @@ impl PagedAttentionParams {
             self.kv_scales.validate(OP)?;
         }
         if let Some(s) = self.output_scale {
-            if !(s > 0.0 && s.is_finite()) {
-                bail!("{OP}: output_scale must be finite and > 0, got {s}");
-            }
+            check_scale(OP, "output_scale", s)?;
         }
         if let KvSplit::Segments(0) = self.kv_split {
             bail!("{OP}: kv_split Segments(0): need at least one segment");
