@@ -27,10 +27,11 @@
 // P.V product); a row with no visible key is 0.
 //
 // NaN is never hidden: masked scores are selected to -inf, never computed
-// from the data, and the softmax maxima use a NaN-propagating max, so a NaN
-// score (NaN in a visible key, a slope, the bias) turns the row's maximum,
-// rescale factors, probabilities, sum and output into NaN at no cost on the
-// NaN-free path. Query rows holding NaN or +-inf get a NaN score scale (an
+// from the data, and the softmax maxima use a NaN-propagating max (edge
+// tiles, which select per key, turn a NaN score into +inf instead, whose
+// p = exp2(inf - inf) is NaN), so a NaN score (NaN in a visible key, a
+// slope, the bias) turns the row's maximum, rescale factors, probabilities,
+// sum and output into NaN at no cost on the NaN-free path. Query rows holding NaN or +-inf get a NaN score scale (an
 // infinite query could otherwise score -inf against every key). A NaN in a
 // visible value reaches the output columns it sits in through P.V; within
 // one tile, P.V also carries it into rows of the same warp that mask that
@@ -232,12 +233,9 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   // fp8 caches: each row is scaled by 2^k, k chosen so that its largest
   // magnitude lands in [2^14, 2^15), and converted to f16; `row_qscale`
   // (in the red_m area until the key loop) keeps 2^-k for the scores, or NaN
-  // for a row holding NaN or +-inf, whose every score then is NaN.
-  // Other caches: Q lands in shared memory as is; once it has, rows holding
-  // NaN or +-inf are flagged in their row's padding (`q_bad`, past the HEAD
-  // columns the MMAs read) and get a NaN score scale.
+  // for a row holding NaN or +-inf, whose every score then is NaN. (Other
+  // caches check their Q rows on the first key tile.)
   float* row_qscale = red_m;
-  auto q_bad = [&](int r) -> int* { return reinterpret_cast<int*>(sQ + r * QS + HEAD); };
   if constexpr (FP8) {
     const T* q = static_cast<const T*>(p.q);
     constexpr int CPR = HEAD / 8;
@@ -295,7 +293,6 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       const bool ok = ri.valid && col < hs;
       const int64_t src = ((int64_t)(q_start + ri.q_rel) * p.num_heads + ri.head) * hs + col;
       T* dst = sQ + r * QS + col;
-      if (col == 0) *q_bad(r) = 0;
       if (vec) {
         cp_async_16(dst, ok ? q + src : q, ok);
       } else {
@@ -303,7 +300,6 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
         for (int e = 0; e < 8; ++e) dst[e] = (ok && col + e < hs) ? q[src + e] : from_f32<T>(0.f);
       }
     }
-    cp_async_commit();  // Q's own group: the prologue waits for it alone
   }
 
   // ---- K/V tile loads: keys k_lo + t * BN .. + BN of this sequence ----
@@ -459,30 +455,7 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (t_begin + s < t_end) load_tile(t_begin + s);
-    cp_async_commit();
-  }
-  if constexpr (!FP8) {
-    // Flag the Q rows holding NaN or +-inf while the first tiles are in
-    // flight (Q's group is older than theirs), then give those rows a NaN
-    // score scale: every score they make is NaN, so the row comes out NaN.
-    constexpr int CPR = HEAD / 8;
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-    for (int c = tid; c < BM * CPR; c += NT) {
-      const int r = c / CPR;
-      if (any_nonfinite8<T>(*reinterpret_cast<const uint4*>(sQ + r * QS + (c % CPR) * 8))) *q_bad(r) = 1;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if (*q_bad(wrow0 + mt * 16 + g + 8 * i)) {
-          rsc[mt][i] = __int_as_float(0x7fc00000);
-          rsc_log2[mt][i] = __int_as_float(0x7fc00000);
-        }
-      }
-    }
+    cp_async_commit();  // Q rides in the first group
   }
 
   for (int t = t_begin; t < t_end; ++t) {
@@ -532,6 +505,31 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     // Warps whose rows are all padding (a decode row in a prefill-shaped
     // program, say) skip the tile.
     if (!warp_rows) continue;
+    if constexpr (!FP8) {
+      // Once, when Q has landed with the first tile: each lane checks a
+      // quarter of its fragment rows g and g + 8 (the quad shares the rest),
+      // and a row holding NaN or +-inf gets a NaN score scale, so that every
+      // score it makes, and so the row, is NaN.
+      if (t == t_begin) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const MM* row = sQ + (wrow0 + mt * 16 + g + 8 * i) * QS;
+            int bad = 0;
+#pragma unroll
+            for (int cc = c4; cc < HEAD / 8; cc += 4)
+              bad |= any_nonfinite8<MM>(*reinterpret_cast<const uint4*>(row + cc * 8));
+            bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+            bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+            if (bad) {
+              rsc[mt][i] = __int_as_float(0x7fc00000);
+              rsc_log2[mt][i] = __int_as_float(0x7fc00000);
+            }
+          }
+        }
+      }
+    }
     const int tile_start = k_lo + t * BN;
     const int warp_key0 = tile_start + wn * KW;
 
@@ -596,12 +594,16 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
               x += ri.slope * (float)(key - context_len);
               if (qq != nullptr && key >= context_len && key - context_len < p.qq_cols)
                 x += qq[(int64_t)ri.q_rel * p.qq_cols + (key - context_len)];
-              x *= LOG2E;
+              // A NaN score becomes +inf (fminf drops the NaN): the maximum
+              // becomes +inf and p = exp2(inf - inf) NaN, so the row is NaN
+              // as it would be, for one instruction and no register (a
+              // NaN-propagating max here costs registers in this path).
+              x = fminf(x * LOG2E, __int_as_float(0x7f800000));
             } else {
               x = neg_inf();
             }
             s[mt][nt][e] = x;
-            tmax[mt][e >> 1] = max_nan(tmax[mt][e >> 1], x);
+            tmax[mt][e >> 1] = fmaxf(tmax[mt][e >> 1], x);
           }
         }
       }
@@ -679,6 +681,12 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   for (int mt = 0; mt < MT; ++mt) {
     l_run[mt][0] = quad_sum(l_run[mt][0]);
     l_run[mt][1] = quad_sum(l_run[mt][1]);
+    // A NaN probability left the sum NaN: make the row's maximum NaN too
+    // (it may be +inf, from a NaN score on an edge tile), so that the merge
+    // propagates it whatever the other warps hold.
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      if (l_run[mt][i] != l_run[mt][i]) m_run[mt][i] = __int_as_float(0x7fc00000);
     if (c4 == 0) {
       const int r = wrow0 + mt * 16 + g;
       red_m[wn * BM + r] = m_run[mt][0];
