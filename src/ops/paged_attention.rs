@@ -43,9 +43,17 @@ pub enum KvSplit {
 /// * `sliding_window` - `Some(w)` keeps keys with `query_pos - key_pos < w`.
 /// * `softcap` - `Some(c)` with `c > 0` maps scores to `c * tanh(s / c)`;
 ///   `None` or `Some(0.0)` is off.
-/// * `kv_scales` - dequantisation scales of an `F8E4M3` cache.
-/// * `output_scale` - `Some(s)` returns `F8E4M3` holding `clamp(out / s)`.
+/// * `kv_scales` - dequantisation scales of an `F8E4M3` cache; normal
+///   positive floats.
+/// * `output_scale` - `Some(s)` returns `F8E4M3` holding `clamp(out / s)`;
+///   `s` a normal positive float.
 /// * `kv_split` - split-KV policy of the CUDA path.
+///
+/// The op does not read `alibi_slopes`, `sinks` or `qq_bias` back to check
+/// their values (on CUDA that would be a device sync per call); a NaN there,
+/// like a NaN or +inf sink, makes the rows it touches NaN.
+/// [`Attention::new`](crate::Attention::new) rejects non-finite slopes and
+/// sinks once, when a layer is built.
 #[derive(Clone, Debug)]
 pub struct PagedAttentionParams {
     /// `(num_blocks, block_size, num_kv_heads, head_size)`, the query's dtype or `F8E4M3`.
@@ -413,6 +421,14 @@ pub fn cuda_launch_plan(q: &Tensor, params: &PagedAttentionParams) -> Result<Str
 /// Returns `(num_tokens, num_heads, head_size)` in the query's dtype, or
 /// `F8E4M3` when `params.output_scale` is set. A query row that sees no key
 /// (and no sink mass) is zero.
+///
+/// NaN is never hidden: NaN or +-inf in a query row, or NaN in a key, an
+/// ALiBi slope or a `qq_bias` entry that the row sees, makes the whole row
+/// NaN, and a NaN in a value it sees makes its columns NaN, as dense
+/// attention does. Keys a row does not see never reach it, whatever the
+/// cache holds there (on CUDA, a NaN *value* of a key that another row of
+/// the same tile sees may also reach the rows of that tile that mask it, as
+/// `0 * NaN` does in dense attention with an additive mask).
 pub fn paged_attention(q: &Tensor, params: &PagedAttentionParams) -> Result<Tensor> {
     params.validate(q.dtype(), q.shape(), q.device())?;
     let q = q.contiguous()?;
