@@ -7,6 +7,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace cpa {
 
 // An F8E4M3 cache element, stored as its raw byte.
@@ -91,12 +93,33 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// max(a, b) that propagates NaN (fmaxf returns the other operand): one
+// max.NaN instruction (sm_80+), as cheap as fmaxf. Softmax maxima use it so
+// that a NaN score makes the row's maximum, and so the row, NaN.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // Reduction over the 4 lanes of a quad (the lanes holding one row of an MMA
-// accumulator fragment).
+// accumulator fragment); NaN-propagating.
 __device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
   return x;
+}
+
+// True when one of the eight 16-bit floats (f16 or bf16) in `w` is NaN or
+// +-inf: its exponent bits are all ones.
+template <typename T>
+__device__ __forceinline__ bool any_nonfinite8(uint4 w) {
+  constexpr uint32_t E = std::is_same<T, __half>::value ? 0x7c00u : 0x7f80u;
+  bool bad = false;
+  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) bad = bad || (ws[i] & E) == E || ((ws[i] >> 16) & E) == E;
+  return bad;
 }
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

@@ -3,9 +3,12 @@
 // `reshape_and_cache_{f32|f16|bf16}[_fp8]`: token t's row of
 // `num_kv_heads * head_size` elements goes to cache row `slots[t]` (that is
 // block `slot / block_size`, row `slot % block_size`; the cache's rows are
-// contiguous). Negative slots are padding and are skipped. An fp8 cache stores
+// contiguous). Negative slots are padding and are skipped; so are slots at or
+// past `capacity` (num_blocks * block_size), which the host validates but
+// cannot see for a slot tensor it never reads back. An fp8 cache stores
 // `x * inv_scale`, saturated to +-448. One program per token; 16-byte loads
-// when `vec` says the rows allow them.
+// when `vec` says the rows allow them. Two tokens with one slot race: which
+// one the row ends up holding is unspecified.
 
 #include "common.cuh"
 
@@ -14,10 +17,10 @@ using namespace cpa;
 template <typename T, typename C>
 __device__ __forceinline__ void reshape_and_cache_body(const T* __restrict__ src, C* __restrict__ cache,
                                                        const int64_t* __restrict__ slots, int64_t row_elems,
-                                                       float inv_scale, int vec) {
+                                                       int64_t capacity, float inv_scale, int vec) {
   const int64_t token = blockIdx.x;
   const int64_t slot = slots[token];
-  if (slot < 0) return;
+  if (slot < 0 || slot >= capacity) return;
   const T* s = src + token * row_elems;
   C* d = cache + slot * row_elems;
   constexpr int EPV = 16 / (int)sizeof(T);  // elements per 16-byte load
@@ -45,8 +48,8 @@ __device__ __forceinline__ void reshape_and_cache_body(const T* __restrict__ src
 
 #define CPA_RC(NAME, T, C)                                                                              \
   extern "C" __global__ void NAME(const T* src, C* cache, const int64_t* slots, int64_t row_elems,     \
-                                  float inv_scale, int vec) {                                           \
-    reshape_and_cache_body<T, C>(src, cache, slots, row_elems, inv_scale, vec);                         \
+                                  int64_t capacity, float inv_scale, int vec) {                         \
+    reshape_and_cache_body<T, C>(src, cache, slots, row_elems, capacity, inv_scale, vec);               \
   }
 
 CPA_RC(reshape_and_cache_f32, float, float)

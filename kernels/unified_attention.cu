@@ -25,6 +25,18 @@
 // mask, ALiBi, qq_bias; sinks start the softmax with mass 1; masked keys are
 // never multiplied (keys no row of the program sees are zero-filled before the
 // P.V product); a row with no visible key is 0.
+//
+// NaN is never hidden: masked scores are selected to -inf, never computed
+// from the data, and the softmax maxima use a NaN-propagating max (edge
+// tiles, which select per key, turn a NaN score into +inf instead, whose
+// p = exp2(inf - inf) is NaN), so a NaN score (NaN in a visible key, a
+// slope, the bias) turns the row's maximum, rescale factors, probabilities,
+// sum and output into NaN at no cost on the NaN-free path. Query rows holding NaN or +-inf get a NaN score scale (an
+// infinite query could otherwise score -inf against every key). A NaN in a
+// visible value reaches the output columns it sits in through P.V; within
+// one tile, P.V also carries it into rows of the same warp that mask that
+// key (0 * NaN), as dense attention with an additive mask does; a value no
+// row of the program sees is never loaded.
 
 #include <type_traits>
 
@@ -90,6 +102,12 @@ __device__ __forceinline__ bool key_visible(int q_abs, int key, int window, cons
   }
   return false;
 }
+
+// exp2(s2 - M) of a sink logit s2 (log2 units) against the row maximum M
+// (M >= s2 or NaN): a -inf sink carries no mass, even when M is -inf too
+// (where exp2(-inf - -inf) would be NaN); a NaN or +inf sink gives NaN, as
+// dense softmax does.
+__device__ __forceinline__ float sink_mass(float s2, float M) { return s2 == neg_inf() ? 0.f : exp2f(s2 - M); }
 
 // One packed row of a program: which query row and head it is.
 struct RowInfo {
@@ -214,7 +232,9 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   // ---- Q: BM packed rows x HEAD columns (zero past head_size / invalid rows) ----
   // fp8 caches: each row is scaled by 2^k, k chosen so that its largest
   // magnitude lands in [2^14, 2^15), and converted to f16; `row_qscale`
-  // (in the red_m area until the key loop) keeps 2^-k for the scores.
+  // (in the red_m area until the key loop) keeps 2^-k for the scores, or NaN
+  // for a row holding NaN or +-inf, whose every score then is NaN. (Other
+  // caches check their Q rows on the first key tile.)
   float* row_qscale = red_m;
   if constexpr (FP8) {
     const T* q = static_cast<const T*>(p.q);
@@ -230,13 +250,16 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       for (int e = 0; e < 8; ++e) v[e] = (ri.valid && col + e < hs) ? to_f32(q[src + e]) : 0.f;
       return r;
     };
+    // The largest |q| of each row as int bits: for non-negative floats the
+    // integer order is the float order, with +inf above every finite value
+    // and NaN above +inf, so a row holding NaN or inf ends non-finite.
     for (int c = tid; c < BM * CPR; c += NT) {
       float v[8];
       const int r = q_chunk(c, v);
-      float m = 0.f;
+      int mb = 0;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(v[e]));
-      if (m > 0.f) atomicMax(row_max_bits + r, __float_as_int(m));
+      for (int e = 0; e < 8; ++e) mb = max(mb, __float_as_int(fabsf(v[e])));
+      if (mb > 0) atomicMax(row_max_bits + r, mb);
     }
     __syncthreads();
     for (int c = tid; c < BM * CPR; c += NT) {
@@ -245,7 +268,7 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       const float m = __int_as_float(row_max_bits[r]);
       int ex = 0;
       frexpf(m, &ex);  // m < 2^ex
-      const float up = m > 0.f ? ldexpf(1.f, 15 - ex) : 1.f;
+      const float up = (m > 0.f && isfinite(m)) ? ldexpf(1.f, 15 - ex) : 1.f;
       uint4 w;
       w.x = pack2<__half>(v[0] * up, v[1] * up);
       w.y = pack2<__half>(v[2] * up, v[3] * up);
@@ -258,7 +281,7 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       const float m = __int_as_float(row_max_bits[r]);
       int ex = 0;
       frexpf(m, &ex);
-      row_qscale[r] = m > 0.f ? ldexpf(1.f, ex - 15) : 1.f;
+      row_qscale[r] = !isfinite(m) ? __int_as_float(0x7fc00000) : m > 0.f ? ldexpf(1.f, ex - 15) : 1.f;
     }
     __syncthreads();
   } else {
@@ -482,6 +505,31 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     // Warps whose rows are all padding (a decode row in a prefill-shaped
     // program, say) skip the tile.
     if (!warp_rows) continue;
+    if constexpr (!FP8) {
+      // Once, when Q has landed with the first tile: each lane checks a
+      // quarter of its fragment rows g and g + 8 (the quad shares the rest),
+      // and a row holding NaN or +-inf gets a NaN score scale, so that every
+      // score it makes, and so the row, is NaN.
+      if (t == t_begin) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const MM* row = sQ + (wrow0 + mt * 16 + g + 8 * i) * QS;
+            int bad = 0;
+#pragma unroll
+            for (int cc = c4; cc < HEAD / 8; cc += 4)
+              bad |= any_nonfinite8<MM>(*reinterpret_cast<const uint4*>(row + cc * 8));
+            bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+            bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+            if (bad) {
+              rsc[mt][i] = __int_as_float(0x7fc00000);
+              rsc_log2[mt][i] = __int_as_float(0x7fc00000);
+            }
+          }
+        }
+      }
+    }
     const int tile_start = k_lo + t * BN;
     const int warp_key0 = tile_start + wn * KW;
 
@@ -527,7 +575,7 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
           for (int e = 0; e < 4; ++e) {
             const float x = s[mt][nt][e] * rsc_log2[mt][e >> 1];
             s[mt][nt][e] = x;
-            tmax[mt][e >> 1] = fmaxf(tmax[mt][e >> 1], x);
+            tmax[mt][e >> 1] = max_nan(tmax[mt][e >> 1], x);
           }
         }
       } else {
@@ -546,7 +594,11 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
               x += ri.slope * (float)(key - context_len);
               if (qq != nullptr && key >= context_len && key - context_len < p.qq_cols)
                 x += qq[(int64_t)ri.q_rel * p.qq_cols + (key - context_len)];
-              x *= LOG2E;
+              // A NaN score becomes +inf (fminf drops the NaN): the maximum
+              // becomes +inf and p = exp2(inf - inf) NaN, so the row is NaN
+              // as it would be, for one instruction and no register (a
+              // NaN-propagating max here costs registers in this path).
+              x = fminf(x * LOG2E, __int_as_float(0x7f800000));
             } else {
               x = neg_inf();
             }
@@ -568,7 +620,8 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       float alpha[2], m_use[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const float m_new = fmaxf(m_run[mt][i], tmax[mt][i]);
+        // NaN-propagating: a NaN score makes m_new, alpha and every p NaN.
+        const float m_new = max_nan(m_run[mt][i], tmax[mt][i]);
         m_use[i] = m_new == neg_inf() ? 0.f : m_new;
         alpha[i] = exp2f(m_run[mt][i] - m_use[i]);
         m_run[mt][i] = m_new;
@@ -628,6 +681,12 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   for (int mt = 0; mt < MT; ++mt) {
     l_run[mt][0] = quad_sum(l_run[mt][0]);
     l_run[mt][1] = quad_sum(l_run[mt][1]);
+    // A NaN probability left the sum NaN: make the row's maximum NaN too
+    // (it may be +inf, from a NaN score on an edge tile), so that the merge
+    // propagates it whatever the other warps hold.
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      if (l_run[mt][i] != l_run[mt][i]) m_run[mt][i] = __int_as_float(0x7fc00000);
     if (c4 == 0) {
       const int r = wrow0 + mt * 16 + g;
       red_m[wn * BM + r] = m_run[mt][0];
@@ -644,11 +703,15 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       const int r = wrow0 + mt * 16 + g + 8 * i;
       float M = neg_inf();
 #pragma unroll
-      for (int w = 0; w < WARPS_N; ++w) M = fmaxf(M, red_m[w * BM + r]);
-      const float f = m_run[mt][i] == neg_inf() ? 0.f : exp2f(m_run[mt][i] - M);
+      for (int w = 0; w < WARPS_N; ++w) M = max_nan(M, red_m[w * BM + r]);
+      // A warp that saw no key of this row contributes an exact 0 (selected,
+      // not multiplied: its accumulator may have met NaN values that only
+      // other rows see).
+      const bool none = m_run[mt][i] == neg_inf();
+      const float f = none ? 0.f : exp2f(m_run[mt][i] - M);
 #pragma unroll
       for (int n = 0; n < DV / 8; ++n) {
-        float2 v = make_float2(acc[mt][n][2 * i] * f, acc[mt][n][2 * i + 1] * f);
+        float2 v = none ? make_float2(0.f, 0.f) : make_float2(acc[mt][n][2 * i] * f, acc[mt][n][2 * i + 1] * f);
         *reinterpret_cast<float2*>(merge + (wn * BM + r) * CS + n * 8 + 2 * c4) = v;
       }
     }
@@ -667,7 +730,7 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     const int ncols = min(8, hs - gcol0);
     float M = neg_inf();
 #pragma unroll
-    for (int w = 0; w < WARPS_N; ++w) M = fmaxf(M, red_m[w * BM + r]);
+    for (int w = 0; w < WARPS_N; ++w) M = max_nan(M, red_m[w * BM + r]);
     float L = 0.f, o[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = 0.f;
@@ -685,11 +748,13 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       float f = 1.f;
       if (p.sinks != nullptr) {
         const float s2 = p.sinks[ri.head] * LOG2E;
-        const float Mn = fmaxf(M, s2);
+        const float Mn = max_nan(M, s2);
         f = M == neg_inf() ? 0.f : exp2f(M - Mn);
-        L = L * f + exp2f(s2 - Mn);
+        L = L * f + sink_mass(s2, Mn);
       }
-      const float k = L > 0.f ? f / L * p.v_scale : 0.f;
+      // L is 0 only for a row that saw no key and has no sink mass (its o
+      // is an exact 0); else >= 1, or NaN, which k carries into the row.
+      const float k = L == 0.f ? 0.f : f / L * p.v_scale;
       const int64_t oi = (token * p.num_heads + ri.head) * hs + gcol0;
       if (p.out_fp8) {
         fp8_t* out = static_cast<fp8_t*>(p.out) + oi;
@@ -737,27 +802,30 @@ __device__ __forceinline__ void reduce_body(const AttnParams& p) {
     token = (int64_t)p.cu_seqlens_q[seq] + q_rel;
   }
   const int64_t base = ((int64_t)row * p.num_heads + head) * S;
+  // A segment's sum is 0 when it saw no key of this row (it is skipped:
+  // selected, not multiplied), else >= 1 or NaN. NaN sums and maxima
+  // propagate through the NaN-aware max into every term.
   float M = neg_inf();
   for (int s = 0; s < S; ++s) {
-    if (p.ws_ml[2 * (base + s) + 1] > 0.f) M = fmaxf(M, p.ws_ml[2 * (base + s)]);
+    if (p.ws_ml[2 * (base + s) + 1] != 0.f) M = max_nan(M, p.ws_ml[2 * (base + s)]);
   }
   float s2 = neg_inf();
   if (p.sinks != nullptr) {
     s2 = p.sinks[head] * LOG2E;
-    M = fmaxf(M, s2);
+    M = max_nan(M, s2);
   }
   float L = 0.f;
   for (int s = 0; s < S; ++s) {
     const float l = p.ws_ml[2 * (base + s) + 1];
-    if (l > 0.f) L += l * exp2f(p.ws_ml[2 * (base + s)] - M);
+    if (l != 0.f) L += l * exp2f(p.ws_ml[2 * (base + s)] - M);
   }
-  if (p.sinks != nullptr) L += exp2f(s2 - M);
-  const float inv = L > 0.f ? 1.f / L : 0.f;
+  if (p.sinks != nullptr) L += sink_mass(s2, M);
+  const float inv = L == 0.f ? 0.f : 1.f / L;
   for (int d = threadIdx.x; d < hs; d += blockDim.x) {
     float o = 0.f;
     for (int s = 0; s < S; ++s) {
       const float l = p.ws_ml[2 * (base + s) + 1];
-      if (l > 0.f) o += p.ws_acc[(base + s) * hs + d] * exp2f(p.ws_ml[2 * (base + s)] - M);
+      if (l != 0.f) o += p.ws_acc[(base + s) * hs + d] * exp2f(p.ws_ml[2 * (base + s)] - M);
     }
     const float y = o * inv;
     const int64_t oi = ((int64_t)token * p.num_heads + head) * hs + d;
@@ -803,11 +871,18 @@ __device__ __forceinline__ void scalar_body(const AttnParams& p) {
 
   const float* q = static_cast<const float*>(p.q) + ((int64_t)token * p.num_heads + head) * hs;
   float qv[MAXJ], acc[MAXJ];
+  bool q_bad = false;
 #pragma unroll
   for (int j = 0; j < MAXJ; ++j) {
     const int d = lane + 32 * j;
     qv[j] = d < hs ? q[d] : 0.f;
+    q_bad = q_bad || !isfinite(qv[j]);
     acc[j] = 0.f;
+  }
+  // A query holding NaN or +-inf scores NaN against every key it sees.
+  if (__any_sync(0xffffffffu, q_bad)) {
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) qv[j] = __int_as_float(0x7fc00000);
   }
   const C* kc = static_cast<const C*>(p.k_cache);
   const C* vc = static_cast<const C*>(p.v_cache);
@@ -832,7 +907,7 @@ __device__ __forceinline__ void scalar_body(const AttnParams& p) {
       x += p.qq_bias[(int64_t)q_rel * p.qq_cols + (key - context_len)];
     x *= LOG2E;
     if (x == neg_inf()) continue;
-    const float m_new = fmaxf(m, x);
+    const float m_new = max_nan(m, x);
     const float alpha = exp2f(m - m_new);
     const float pe = exp2f(x - m_new);
     l = l * alpha + pe;
@@ -846,11 +921,12 @@ __device__ __forceinline__ void scalar_body(const AttnParams& p) {
   float f = 1.f;
   if (p.sinks != nullptr) {
     const float s2 = p.sinks[head] * LOG2E;
-    const float Mn = fmaxf(m, s2);
+    const float Mn = max_nan(m, s2);
     f = m == neg_inf() ? 0.f : exp2f(m - Mn);
-    l = l * f + exp2f(s2 - Mn);
+    l = l * f + sink_mass(s2, Mn);
   }
-  const float scale_out = l > 0.f ? f / l * p.v_scale : 0.f;
+  // l is 0 only for a row that saw no key and has no sink mass (acc is 0).
+  const float scale_out = l == 0.f ? 0.f : f / l * p.v_scale;
   const int64_t ob = ((int64_t)token * p.num_heads + head) * hs;
 #pragma unroll
   for (int j = 0; j < MAXJ; ++j) {

@@ -27,9 +27,10 @@ pub enum KvCacheDtype {
 /// * `sliding_window` - `Some(w)` keeps keys with `query_pos - key_pos < w`;
 ///   the layer reads the metadata's window group for `w` when there is one.
 /// * `sinks` - `(num_heads,)` logits joining each head's softmax denominator
-///   (any float dtype; kept as f32).
+///   (any float dtype; kept as f32; finite).
 /// * `softcap` - `Some(c)`, `c > 0`: scores become `c * tanh(s / c)`.
-/// * `alibi_slopes` - `(num_heads,)` ALiBi slopes (any float dtype; kept as f32).
+/// * `alibi_slopes` - `(num_heads,)` ALiBi slopes (any float dtype; kept as
+///   f32; finite).
 /// * `attention_chunk_size` - chunked local attention: a query at position
 ///   `p` sees keys in `[floor(p / chunk) * chunk, p]`; a multiple of `block_size`.
 /// * `kv_cache_dtype` - the cache's element type (and fp8 scales).
@@ -87,6 +88,10 @@ pub struct Attention {
 impl Attention {
     /// A layer with `num_heads` query heads sharing `num_kv_heads` KV heads
     /// of `head_size` elements; scores are `scale * q . k`.
+    ///
+    /// Every option is checked here, once: sinks and ALiBi slopes are read
+    /// back (a device sync on CUDA) and must be finite; fp8 cache scales
+    /// must be normal positive floats.
     pub fn new(
         num_heads: usize,
         num_kv_heads: usize,
@@ -99,6 +104,9 @@ impl Attention {
         }
         if head_size == 0 || head_size > MAX_HEAD_SIZE {
             bail!("{OP}: head_size must be in 1..={MAX_HEAD_SIZE}, got {head_size}");
+        }
+        if num_heads.checked_mul(head_size).is_none() {
+            bail!("{OP}: {num_heads} heads of size {head_size} overflow usize");
         }
         if !scale.is_finite() {
             bail!("{OP}: scale must be finite, got {scale}");
@@ -287,6 +295,9 @@ impl Attention {
     }
 }
 
+/// A per-head vector converted to f32 and checked to be finite, once, when
+/// the layer is built (the op itself does not read it back from the device;
+/// there a NaN would only turn the rows it touches into NaN).
 fn head_vector(name: &str, t: Option<Tensor>, num_heads: usize) -> Result<Option<Tensor>> {
     let Some(t) = t else { return Ok(None) };
     if t.dims() != [num_heads] {
@@ -295,7 +306,12 @@ fn head_vector(name: &str, t: Option<Tensor>, num_heads: usize) -> Result<Option
             t.dims()
         );
     }
-    Ok(Some(t.to_dtype(DType::F32)?))
+    let t = t.to_dtype(DType::F32)?;
+    let values = t.to_vec1::<f32>()?;
+    if let Some((h, x)) = values.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+        bail!("{OP}: {name}[{h}] is {x}; {name} must be finite");
+    }
+    Ok(Some(t))
 }
 
 #[cfg(test)]

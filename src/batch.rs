@@ -75,13 +75,22 @@ impl BatchHost {
     }
 
     /// New query tokens of sequence `i`.
+    ///
+    /// # Panics
+    /// When `i >= num_seqs()`, as slice indexing does.
     pub fn q_len(&self, i: usize) -> usize {
+        // Validation made cu_seqlens_q non-decreasing, so this cannot underflow.
         (self.cu_seqlens_q[i + 1] - self.cu_seqlens_q[i]) as usize
     }
 
     /// Block table row of sequence `i` (`block_table_width` entries).
+    ///
+    /// # Panics
+    /// When `i >= num_seqs()`, as slice indexing does.
     pub fn block_table(&self, i: usize) -> &[u32] {
         let w = self.block_table_width;
+        // Validation checked num_seqs * width == block_tables.len(), so for
+        // i < num_seqs neither product overflows.
         &self.block_tables[i * w..(i + 1) * w]
     }
 
@@ -130,7 +139,13 @@ impl PagedBatch {
         device: &Device,
     ) -> Result<Self> {
         let width = block_table_rows.iter().map(Vec::len).max().unwrap_or(0);
-        let mut flat = vec![0u32; width * block_table_rows.len()];
+        let Some(len) = width.checked_mul(block_table_rows.len()) else {
+            bail!(
+                "paged-attention: {} block-table rows of width {width} overflow usize",
+                block_table_rows.len()
+            );
+        };
+        let mut flat = vec![0u32; len];
         for (row, ids) in flat.chunks_mut(width.max(1)).zip(block_table_rows) {
             row[..ids.len()].copy_from_slice(ids);
         }
@@ -179,7 +194,19 @@ impl PagedBatch {
             }
         }
         let max_ranges = ranges.iter().map(Vec::len).max().unwrap_or(0);
-        let mut flat = vec![0u32; host.num_seqs() * max_ranges * 2];
+        // Each sequence's ranges are a Vec already, so this cannot overflow
+        // unless the ranges themselves fill the address space; checked anyway.
+        let Some(len) = host
+            .num_seqs()
+            .checked_mul(max_ranges)
+            .and_then(|n| n.checked_mul(2))
+        else {
+            bail!(
+                "paged-attention: {} sequences x {max_ranges} prefix ranges overflow usize",
+                host.num_seqs()
+            );
+        };
+        let mut flat = vec![0u32; len];
         for (i, seq_ranges) in ranges.iter().enumerate() {
             for (j, r) in seq_ranges.iter().enumerate() {
                 flat[(i * max_ranges + j) * 2] = r.start;
@@ -281,11 +308,11 @@ impl BatchHost {
                 cu_seqlens_q[0]
             );
         }
-        if block_tables.len() != num_seqs * block_table_width {
+        if num_seqs.checked_mul(block_table_width) != Some(block_tables.len()) {
             bail!(
                 "{OP}: block_tables holds {} ids but {num_seqs} sequences x width {block_table_width} need {}",
                 block_tables.len(),
-                num_seqs * block_table_width
+                num_seqs as u128 * block_table_width as u128
             );
         }
         let mut max_seqlen_q = 0;
@@ -333,7 +360,7 @@ impl BatchHost {
 
 /// Where each new token's K/V goes in the paged cache:
 /// `slot = block * block_size + row`; a negative slot marks padding and is
-/// skipped.
+/// skipped. No slot appears twice (two tokens cannot share a cache row).
 ///
 /// Device tensor: `slots` - `(num_tokens,)`, i64.
 #[derive(Clone, Debug)]
@@ -344,9 +371,25 @@ pub struct SlotMapping {
 }
 
 impl SlotMapping {
-    /// Uploads `slots` (one per new token) to `device`.
+    /// Checks `slots` (one per new token) and uploads them to `device`.
+    ///
+    /// A non-negative slot may appear only once: two tokens written to one
+    /// cache row would leave only one of them there (and, on CUDA, which
+    /// one would be unspecified). Checking sorts a copy of the slots, once
+    /// per batch.
     pub fn new(slots: &[i64], device: &Device) -> Result<Self> {
-        let max_slot = slots.iter().copied().filter(|&s| s >= 0).max();
+        let mut sorted: Vec<i64> = slots.iter().copied().filter(|&s| s >= 0).collect();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            let dup = w[0];
+            let mut tokens = slots.iter().enumerate().filter(|&(_, &s)| s == dup);
+            let first = tokens.next().map_or(0, |(t, _)| t);
+            let second = tokens.next().map_or(0, |(t, _)| t);
+            bail!(
+                "reshape-and-cache: slot_mapping holds slot {dup} twice (tokens {first} and {second}); each cache row takes at most one token"
+            );
+        }
+        let max_slot = sorted.last().copied();
         let tensor = Tensor::from_slice(slots, slots.len(), device)?;
         Ok(Self {
             slots: tensor,

@@ -8,12 +8,15 @@
 //! remap, which is built on first use per chunk size and cached here.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{bail, Device, Result, Tensor};
 
-use crate::batch::{PagedBatch, SlotMapping};
-use crate::remap::{chunked_local_batches, select_window_group};
+use crate::batch::{BatchHost, PagedBatch, SlotMapping};
+use crate::remap::{
+    blocks_out_of_window, chunked_local_batches, select_window_group, LocalBatches,
+};
 
 const OP: &str = "attention-metadata";
 
@@ -85,8 +88,16 @@ pub struct AttentionMetadata {
 impl AttentionMetadata {
     /// Metadata for `batch` whose new tokens go to `slot_mapping`.
     ///
+    /// Checks, once per batch and O(tokens) on the host copies, that every
+    /// non-negative slot is where attention will read the token back: new
+    /// token `j` of sequence `i`, at position `p = context_len_i + j`, must
+    /// go to slot `block_tables[i][p / block_size] * block_size + p % block_size`.
+    /// Negative slots (padding, the token is not stored) are allowed.
+    ///
     /// # Arguments
-    /// * `batch` - the validated batch (full-attention block tables).
+    /// * `batch` - the validated batch (full-attention block tables, and the
+    ///   bidirectional prefix ranges if any; see [`Self::for_layer`] for how
+    ///   window groups and chunked-local layers apply them).
     /// * `slot_mapping` - one slot per query row, on the batch's device.
     pub fn new(batch: PagedBatch, slot_mapping: SlotMapping) -> Result<Self> {
         check_slots("slot_mapping", &slot_mapping, &batch)?;
@@ -121,11 +132,21 @@ impl AttentionMetadata {
     /// Adds the tables and slots of the sliding-window group read by layers
     /// whose window is `window` tokens.
     ///
+    /// The full batch's prefix ranges apply to the group too (they are
+    /// copied onto `batch` when it has none). A group may have recycled the
+    /// blocks of keys that fell out of the window, which a range would make
+    /// visible again, so a range that reaches a new token of this batch must
+    /// start at or after the first block any of the sequence's queries keeps
+    /// (block `(context_len + 1 - window) / block_size`); otherwise this is an
+    /// error.
+    ///
     /// # Arguments
     /// * `window` - the layers' sliding window, at least 1, one group per window.
     /// * `batch` - same `cu_seqlens_q`, `seq_lens` and block size as the full
-    ///   batch; block ids in the group's own cache.
-    /// * `slot_mapping` - the group's slots for the new tokens.
+    ///   batch; block ids in the group's own cache; no prefix ranges, or the
+    ///   full batch's.
+    /// * `slot_mapping` - the group's slots for the new tokens, checked
+    ///   against the group's tables as [`Self::new`] checks the full ones.
     pub fn with_window_group(
         mut self,
         window: usize,
@@ -163,7 +184,30 @@ impl AttentionMetadata {
         if !batch.device().same_device(self.batch.device()) {
             bail!("{OP}: window group {window} is on another device than the batch");
         }
-        check_slots("window group slot_mapping", &slot_mapping, &self.batch)?;
+        let same_ranges = group.prefix_ranges == main.prefix_ranges;
+        if !same_ranges && has_ranges(group) {
+            bail!(
+                "{OP}: window group {window} has prefix ranges {:?} but the batch has {:?}",
+                group.prefix_ranges,
+                main.prefix_ranges
+            );
+        }
+        let batch = if has_ranges(main) {
+            check_ranges_in_window(window, main)?;
+            if same_ranges {
+                batch
+            } else {
+                let ranges = main.prefix_ranges.clone();
+                batch.with_prefix_ranges(&ranges)?
+            }
+        } else {
+            batch
+        };
+        check_slots(
+            &format!("window group {window} slot_mapping"),
+            &slot_mapping,
+            &batch,
+        )?;
         self.window_groups.push(WindowGroup {
             window,
             batch,
@@ -265,6 +309,13 @@ impl AttentionMetadata {
     /// has a sliding window and the metadata carries a group for exactly that
     /// window, the full ones otherwise; remapped into chunked-local virtual
     /// sequences when `attention_chunk_size` is set.
+    ///
+    /// Prefix ranges are never dropped: window groups carry the batch's
+    /// ranges (see [`Self::with_window_group`]), and a chunked-local remap
+    /// moves each range into the virtual sequence of its chunk, or fails
+    /// when a range that reaches a new token crosses a chunk boundary (a
+    /// virtual sequence holds the keys of one chunk only). Ranges that end
+    /// before a sequence's first new token affect no query and are left out.
     pub fn for_layer(
         &self,
         sliding_window: Option<usize>,
@@ -320,7 +371,7 @@ impl AttentionMetadata {
             host.block_size,
             chunk,
         )?;
-        let batch = PagedBatch::new(
+        let mut batch = PagedBatch::new(
             &local.cu_seqlens_q,
             &local.seq_lens,
             &local.block_tables,
@@ -328,11 +379,97 @@ impl AttentionMetadata {
             host.block_size,
             source.device(),
         )?;
+        if !host.prefix_ranges.is_empty() {
+            batch = batch.with_prefix_ranges(&local_prefix_ranges(host, &local, chunk)?)?;
+        }
         cache.insert((group, chunk), batch.clone());
         Ok(batch)
     }
 }
 
+/// True when some sequence of `host` has a non-empty prefix range.
+fn has_ranges(host: &BatchHost) -> bool {
+    host.prefix_ranges.iter().flatten().any(|r| r.start < r.end)
+}
+
+/// The prefix ranges of `host`'s sequences moved into the chunked-local
+/// virtual sequences of `local`: a range lying in chunk `c` goes to the
+/// virtual sequence of chunk `c`, shifted by the chunk's start. Ranges that
+/// end before a sequence's first new token are left out (no query of this
+/// batch lies in them); one that reaches a new token and crosses a chunk
+/// boundary is an error.
+fn local_prefix_ranges(
+    host: &BatchHost,
+    local: &LocalBatches,
+    chunk: usize,
+) -> Result<Vec<Vec<Range<u32>>>> {
+    // Virtual sequences are in order of origin, then chunk: the first one of
+    // each original sequence, and its first chunk, locate all the others.
+    let mut first_virtual = vec![usize::MAX; host.num_seqs()];
+    for (v, &o) in local.origin.iter().enumerate().rev() {
+        if let Some(f) = first_virtual.get_mut(o as usize) {
+            *f = v;
+        }
+    }
+    let mut out = vec![Vec::new(); local.num_seqs()];
+    for (i, ranges) in host.prefix_ranges.iter().enumerate() {
+        let context = host.seq_lens[i] as usize - host.q_len(i);
+        for r in ranges {
+            let (start, end) = (r.start as usize, r.end as usize);
+            if start >= end || end <= context {
+                continue;
+            }
+            let c = start / chunk;
+            if (end - 1) / chunk != c {
+                bail!(
+                    "{OP}: prefix range {start}..{end} of sequence {i} crosses a boundary of attention_chunk_size {chunk}; chunked-local layers need each range inside one chunk"
+                );
+            }
+            // The virtual sequence of chunk c exists: the range holds a new
+            // token, so c lies between the first and the last chunk the
+            // sequence's new tokens touch.
+            // The range holds a new token, so c is at least the chunk of the
+            // first new token (the sequence's first virtual sequence).
+            let v = c
+                .checked_sub(context / chunk)
+                .and_then(|d| first_virtual[i].checked_add(d))
+                .filter(|&v| {
+                    local.origin.get(v) == Some(&(i as u32))
+                        && local.key_starts.get(v).map(|&k| k as usize) == Some(c * chunk)
+                });
+            let Some(v) = v else {
+                bail!("{OP}: no chunked-local sequence holds chunk {c} of sequence {i}");
+            };
+            let shift = (c * chunk) as u32;
+            out[v].push(r.start - shift..r.end - shift);
+        }
+    }
+    Ok(out)
+}
+
+/// Rejects a prefix range that a window group cannot serve: one that reaches
+/// a new token but starts in a block that falls out of the window before
+/// this batch's first query of that sequence (the group may have recycled it).
+fn check_ranges_in_window(window: usize, host: &BatchHost) -> Result<()> {
+    let bs = host.block_size;
+    for (i, ranges) in host.prefix_ranges.iter().enumerate() {
+        let context = host.seq_lens[i] as usize - host.q_len(i);
+        let first_kept = blocks_out_of_window(context, window, bs) * bs;
+        for r in ranges {
+            let (start, end) = (r.start as usize, r.end as usize);
+            if start < end && end > context && start < first_kept {
+                bail!(
+                    "{OP}: prefix range {start}..{end} of sequence {i} reaches keys before position {first_kept}, whose blocks window group {window} may have recycled"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks the slot count and device, and that every non-negative slot of
+/// new token `j` of sequence `i` is the cache row attention reads position
+/// `context_len_i + j` from through `batch`'s block table.
 fn check_slots(name: &str, slots: &SlotMapping, batch: &PagedBatch) -> Result<()> {
     if slots.len() != batch.num_tokens() {
         bail!(
@@ -343,6 +480,33 @@ fn check_slots(name: &str, slots: &SlotMapping, batch: &PagedBatch) -> Result<()
     }
     if !slots.slots().device().same_device(batch.device()) {
         bail!("{OP}: {name} is on another device than the batch");
+    }
+    let host = batch.host();
+    let bs = host.block_size;
+    let slots = slots.host();
+    for i in 0..host.num_seqs() {
+        let first = host.cu_seqlens_q[i] as usize;
+        let q_len = host.q_len(i);
+        let context = host.seq_lens[i] as usize - q_len;
+        let table = host.block_table(i);
+        for j in 0..q_len {
+            let slot = slots[first + j];
+            if slot < 0 {
+                continue;
+            }
+            // Validation made the table wide enough for every position < seq_len.
+            let pos = context + j;
+            let block = table[pos / bs];
+            let want = block as u128 * bs as u128 + (pos % bs) as u128;
+            if slot as u128 != want {
+                bail!(
+                    "{OP}: {name}[{}] = {slot} but token {j} of sequence {i} (position {pos}) belongs in slot {want} (block_tables[{i}][{}] = {block}, row {})",
+                    first + j,
+                    pos / bs,
+                    pos % bs
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -12,9 +12,11 @@ use candle_core::{bail, Result};
 ///
 /// Virtual sequence `v` owns query rows `cu_seqlens_q[v]..cu_seqlens_q[v + 1]`
 /// (the rows keep their order, so the flat query is unchanged) and
-/// `seq_lens[v]` keys: the keys of one attention chunk up to its last query.
-/// Its row of `block_tables` (`width = chunk / block_size` entries) lists the
-/// pages of that chunk.
+/// `seq_lens[v]` keys: the keys of one attention chunk up to its last query,
+/// starting at absolute position `key_starts[v]`. Its row of `block_tables`
+/// lists the pages of that chunk: `width` entries, `chunk / block_size` or
+/// the original table's width if that is smaller (a chunk larger than every
+/// sequence needs no more pages than the sequences have).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalBatches {
     /// `num_virtual + 1` row offsets into the flat query.
@@ -23,10 +25,13 @@ pub struct LocalBatches {
     pub seq_lens: Vec<u32>,
     /// Row-major `num_virtual x width` block ids.
     pub block_tables: Vec<u32>,
-    /// Columns of `block_tables`: pages per chunk.
+    /// Columns of `block_tables`: pages per chunk, capped at the original width.
     pub width: usize,
     /// The original sequence of each virtual sequence.
     pub origin: Vec<u32>,
+    /// Absolute position (in the original sequence) of each virtual
+    /// sequence's first key: a multiple of the chunk size.
+    pub key_starts: Vec<u32>,
 }
 
 impl LocalBatches {
@@ -36,11 +41,17 @@ impl LocalBatches {
     }
 
     /// Query rows of virtual sequence `v`.
+    ///
+    /// # Panics
+    /// When `v >= num_seqs()`, as slice indexing does.
     pub fn q_len(&self, v: usize) -> usize {
         (self.cu_seqlens_q[v + 1] - self.cu_seqlens_q[v]) as usize
     }
 
     /// Block-table row of virtual sequence `v`.
+    ///
+    /// # Panics
+    /// When `v >= num_seqs()`, as slice indexing does.
     pub fn block_table(&self, v: usize) -> &[u32] {
         &self.block_tables[v * self.width..(v + 1) * self.width]
     }
@@ -63,7 +74,10 @@ impl LocalBatches {
 /// * `chunk` - the attention chunk size, at least 1.
 ///
 /// Page indices past the end of an original row are clamped to its last
-/// column, as vLLM does; those pages are never read.
+/// column, as vLLM does; those pages are never read. Unlike vLLM, a virtual
+/// row is never wider than the original table (vLLM's columns past it would
+/// only repeat the last one), so any chunk size, up to `usize::MAX`, costs
+/// memory in proportion to the batch, not to the chunk.
 pub fn chunked_local_batches(
     cu_seqlens_q: &[u32],
     seq_lens: &[u32],
@@ -93,13 +107,15 @@ pub fn chunked_local_batches(
             num_seqs * width
         );
     }
-    let pages = chunk / block_size;
+    // Columns past the original width would repeat its last column.
+    let pages = (chunk / block_size).min(width);
     let mut out = LocalBatches {
         cu_seqlens_q: vec![0],
         seq_lens: Vec::with_capacity(num_seqs),
-        block_tables: Vec::with_capacity(num_seqs * pages),
+        block_tables: Vec::with_capacity(num_seqs.saturating_mul(pages)),
         width: pages,
         origin: Vec::with_capacity(num_seqs),
+        key_starts: Vec::with_capacity(num_seqs),
     };
     for i in 0..num_seqs {
         let (start, end) = (cu_seqlens_q[i] as usize, cu_seqlens_q[i + 1] as usize);
@@ -111,44 +127,41 @@ pub fn chunked_local_batches(
         let context = seq_len - (end - start);
         if end == start {
             // No query: one empty virtual sequence keeps the row count aligned.
-            push_virtual(&mut out, i, end, 0, row, 0, pages);
+            push_virtual(&mut out, i, end, 0..0, row, block_size);
             continue;
         }
         let first_chunk = context / chunk;
         let last_chunk = (seq_len - 1) / chunk;
         for c in first_chunk..=last_chunk {
+            // c * chunk <= seq_len - 1, so neither bound overflows.
             let chunk_start = c * chunk;
-            let chunk_end = (chunk_start + chunk).min(seq_len);
+            let chunk_end = chunk_start.saturating_add(chunk).min(seq_len);
             let q_end = start + (chunk_end - context);
-            push_virtual(
-                &mut out,
-                i,
-                q_end,
-                chunk_end - chunk_start,
-                row,
-                chunk_start / block_size,
-                pages,
-            );
+            push_virtual(&mut out, i, q_end, chunk_start..chunk_end, row, block_size);
         }
     }
     Ok(out)
 }
 
+/// Appends virtual sequence number `seq`'s entry: rows up to `q_end`, the
+/// keys `keys` (absolute positions below the sequence's `u32` seq_len, so
+/// every cast is exact) and their pages from `row`.
 fn push_virtual(
     out: &mut LocalBatches,
     seq: usize,
     q_end: usize,
-    k_len: usize,
+    keys: std::ops::Range<usize>,
     row: &[u32],
-    first_page: usize,
-    pages: usize,
+    block_size: usize,
 ) {
     out.cu_seqlens_q.push(q_end as u32);
-    out.seq_lens.push(k_len as u32);
+    out.seq_lens.push((keys.end - keys.start) as u32);
     out.origin.push(seq as u32);
+    out.key_starts.push(keys.start as u32);
+    let first_page = keys.start / block_size;
     let last = row.len().saturating_sub(1);
     out.block_tables
-        .extend((0..pages).map(|j| row.get((first_page + j).min(last)).copied().unwrap_or(0)));
+        .extend((0..out.width).map(|j| row.get((first_page + j).min(last)).copied().unwrap_or(0)));
 }
 
 /// Number of virtual sequences [`chunked_local_batches`] produces for one
@@ -300,8 +313,21 @@ mod tests {
             .unwrap();
             assert_eq!(q_lens(&got), case.expected_q, "case {n}: q lens");
             assert_eq!(got.seq_lens, case.expected_k, "case {n}: k lens");
+            // vLLM's rows are chunk / block_size wide; ours stop at the
+            // original table's width, the columns past it only repeating
+            // the last page (never read).
+            assert_eq!(got.width, (case.chunk / case.block_size).min(width));
             let rows: Vec<&[u32]> = (0..got.num_seqs()).map(|v| got.block_table(v)).collect();
-            assert_eq!(rows, case.expected_tables, "case {n}: block tables");
+            let expected: Vec<&[u32]> = case
+                .expected_tables
+                .iter()
+                .map(|row| {
+                    let tail = &row[got.width..];
+                    assert!(tail.iter().all(|&b| Some(&b) == row[..got.width].last()));
+                    &row[..got.width]
+                })
+                .collect();
+            assert_eq!(rows, expected, "case {n}: block tables");
             assert!(got.seq_lens.iter().all(|&k| k as usize <= case.chunk));
             assert!(q_lens(&got).iter().all(|&q| q as usize <= case.chunk));
             assert_eq!(

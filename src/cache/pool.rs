@@ -17,8 +17,17 @@ struct Cached {
     tokens: Box<[u32]>,
 }
 
+/// Per-block state lives in vectors that grow as blocks are first handed
+/// out (ids `0..touched`), so a pool of any size, up to `u32::MAX + 1`
+/// blocks, costs nothing until its blocks are used: blocks never used are
+/// implicit (ids `touched..num_blocks`), taken in order before any released
+/// block, exactly as a free list of all ids in order would serve them.
 #[derive(Debug)]
 pub(crate) struct BlockPool {
+    num_blocks: usize,
+    /// Ids below this have been handed out at least once.
+    touched: usize,
+    /// Released blocks, oldest first (all below `touched`).
     free: VecDeque<u32>,
     ref_counts: Vec<u32>,
     cached: Vec<Option<Cached>>,
@@ -30,25 +39,30 @@ pub(crate) struct BlockPool {
 }
 
 impl BlockPool {
+    /// A pool of `num_blocks` block ids; ids are u32, so at most
+    /// `u32::MAX + 1` of them are ever handed out.
     pub(crate) fn new(num_blocks: usize) -> Self {
         Self {
-            free: (0..num_blocks as u32).collect(),
-            ref_counts: vec![0; num_blocks],
-            cached: (0..num_blocks).map(|_| None).collect(),
+            num_blocks: num_blocks.min(u32::MAX as usize + 1),
+            touched: 0,
+            free: VecDeque::new(),
+            ref_counts: Vec::new(),
+            cached: Vec::new(),
             by_hash: HashMap::new(),
             evictable: BTreeMap::new(),
-            released_at: vec![0; num_blocks],
+            released_at: Vec::new(),
             clock: 0,
         }
     }
 
     pub(crate) fn num_blocks(&self) -> usize {
-        self.ref_counts.len()
+        self.num_blocks
     }
 
-    /// Blocks an allocation can take: free ones plus unused cached ones.
+    /// Blocks an allocation can take: never-used and free ones plus unused
+    /// cached ones.
     pub(crate) fn num_available(&self) -> usize {
-        self.free.len() + self.evictable.len()
+        (self.num_blocks - self.touched) + self.free.len() + self.evictable.len()
     }
 
     /// Unused blocks that still hold a registered prefix.
@@ -68,6 +82,15 @@ impl BlockPool {
     /// Takes a block: a free one, else the least recently released cached one
     /// (whose prefix is forgotten).
     pub(crate) fn allocate(&mut self) -> Result<u32> {
+        if self.touched < self.num_blocks {
+            // `touched < num_blocks <= u32::MAX + 1`, so the id fits u32.
+            let block = self.touched as u32;
+            self.touched += 1;
+            self.ref_counts.push(1);
+            self.cached.push(None);
+            self.released_at.push(0);
+            return Ok(block);
+        }
         let block = match self.free.pop_front() {
             Some(b) => b,
             None => {
@@ -77,13 +100,16 @@ impl BlockPool {
                         self.num_blocks()
                     );
                 };
-                if let Some(c) = self.cached[b as usize].take() {
+                if let Some(c) = self.cached.get_mut(b as usize).and_then(Option::take) {
                     self.by_hash.remove(&c.hash);
                 }
                 b
             }
         };
-        self.ref_counts[block as usize] = 1;
+        // Released and evictable ids are below `touched`: they have an entry.
+        if let Some(r) = self.ref_counts.get_mut(block as usize) {
+            *r = 1;
+        }
         Ok(block)
     }
 
@@ -91,46 +117,53 @@ impl BlockPool {
     /// if there is one.
     pub(crate) fn acquire_cached(&mut self, hash: u64, tokens: &[u32]) -> Option<u32> {
         let &block = self.by_hash.get(&hash)?;
-        let c = self.cached[block as usize].as_ref()?;
+        let b = block as usize;
+        let c = self.cached.get(b)?.as_ref()?;
         if *c.tokens != *tokens {
             return None;
         }
-        let b = block as usize;
-        if self.ref_counts[b] == 0 {
+        // A registered block was handed out, so all three vectors hold it.
+        let count = self.ref_counts.get_mut(b)?;
+        if *count == 0 {
             self.evictable.remove(&self.released_at[b]);
         }
-        self.ref_counts[b] += 1;
+        *count += 1;
         Some(block)
     }
 
     /// Registers a full, computed block under its content hash so later
     /// sequences can share it. A hash already held by another block keeps
     /// that block.
+    /// A block that was never handed out is ignored.
     pub(crate) fn register(&mut self, block: u32, hash: u64, tokens: &[u32]) {
-        if self.by_hash.contains_key(&hash) || self.cached[block as usize].is_some() {
+        let Some(entry) = self.cached.get_mut(block as usize) else {
+            return;
+        };
+        if entry.is_some() || self.by_hash.contains_key(&hash) {
             return;
         }
-        self.by_hash.insert(hash, block);
-        self.cached[block as usize] = Some(Cached {
+        *entry = Some(Cached {
             hash,
             tokens: tokens.into(),
         });
+        self.by_hash.insert(hash, block);
     }
 
     /// Drops one reference; an unused block goes back to the free list, or
     /// stays cached (evictable) when it holds a registered prefix.
     pub(crate) fn release(&mut self, block: u32) -> Result<()> {
         let b = block as usize;
-        match self.ref_counts.get(b) {
-            None => bail!(
+        if b >= self.num_blocks {
+            bail!(
                 "{OP}: release of block {block} outside a pool of {}",
                 self.num_blocks()
-            ),
-            Some(0) => bail!("{OP}: release of block {block}, which is not in use"),
-            Some(_) => {}
+            );
         }
-        self.ref_counts[b] -= 1;
-        if self.ref_counts[b] == 0 {
+        let Some(count) = self.ref_counts.get_mut(b).filter(|c| **c > 0) else {
+            bail!("{OP}: release of block {block}, which is not in use");
+        };
+        *count -= 1;
+        if *count == 0 {
             if self.cached[b].is_some() {
                 self.clock += 1;
                 self.released_at[b] = self.clock;
@@ -175,5 +208,25 @@ mod tests {
         assert!(pool.release(7).is_err());
         pool.release(c).unwrap();
         assert!(pool.release(c).is_err());
+    }
+
+    #[test]
+    fn huge_pools_cost_nothing_until_used() {
+        let mut pool = BlockPool::new(u32::MAX as usize + 7);
+        assert_eq!(pool.num_blocks(), u32::MAX as usize + 1);
+        assert_eq!(pool.num_available(), u32::MAX as usize + 1);
+        let ids: Vec<u32> = (0..4).map(|_| pool.allocate().unwrap()).collect();
+        assert_eq!(ids, [0, 1, 2, 3]);
+        pool.release(1).unwrap();
+        // Never-used ids come first, as from a free list of all ids in order.
+        assert_eq!(pool.allocate().unwrap(), 4);
+        assert_eq!(pool.ref_count(1), 0);
+        assert_eq!(pool.num_available(), u32::MAX as usize + 1 - 4);
+        let err = pool.release(9).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("release of block 9, which is not in use"),
+            "{err}"
+        );
     }
 }

@@ -238,7 +238,10 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
         .get(item.seq)
         .map_or(&[], |r| r.as_slice());
 
-    // Queries of this item, pre-multiplied by the score scale.
+    // Queries of this item, pre-multiplied by the score scale. A query
+    // holding NaN or +-inf becomes all NaN, so that every score it makes is
+    // NaN (an infinite query can otherwise score -inf against every key and
+    // pass for a row that sees nothing).
     s.queries.resize(nq * d, 0.0);
     for r in 0..rows {
         let src = (first_token + r) * num_heads * d + item.kv_head * group * d;
@@ -248,13 +251,24 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
             o.scale,
         );
     }
+    for qv in s.queries[..nq * d].chunks_exact_mut(d) {
+        if !qv.iter().all(|x| x.is_finite()) {
+            qv.fill(f32::NAN);
+        }
+    }
     // Online-softmax state: the running max starts at the sink (whose
     // exp(sink - max) = 1 is then the running sum), else at -inf with sum 0.
+    // A NaN or +inf sink makes the row NaN, as exp(sink - max) does in dense
+    // softmax; a -inf sink carries no mass (the first key's rescale zeroes it).
     s.row_max.clear();
     s.row_sum.clear();
     for i in 0..nq {
         let h = item.kv_head * group + i % group;
         match &o.sinks {
+            Some(sinks) if sinks[h].is_nan() || sinks[h] == f32::INFINITY => {
+                s.row_max.push(f32::NAN);
+                s.row_sum.push(f32::NAN);
+            }
             Some(sinks) => {
                 s.row_max.push(sinks[h]);
                 s.row_sum.push(1.0);
@@ -341,28 +355,31 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
                     }
                 }
                 s.scores[t] = sc;
-                tile_max = tile_max.max(sc);
+                tile_max = max_nan(tile_max, sc);
             }
             if tile_max == f32::NEG_INFINITY {
                 continue;
             }
+            // A NaN score (NaN in the query, a visible key, a slope or the
+            // bias) makes the maximum NaN, and with it every probability,
+            // the sum and the accumulator: the row comes out NaN.
             let old_max = s.row_max[i];
-            let new_max = old_max.max(tile_max);
+            let new_max = max_nan(old_max, tile_max);
             let acc_i = &mut acc[i * d..(i + 1) * d];
             if old_max != new_max {
                 let alpha = (old_max - new_max).exp();
                 s.row_sum[i] *= alpha;
                 acc_i.iter_mut().for_each(|a| *a *= alpha);
             }
-            // Masked keys are skipped, never multiplied by zero: their values
-            // may be garbage (unwritten pages). Four fully visible keys at a
-            // time take one pass over the accumulator.
+            // Masked keys (score -inf) are skipped, never multiplied by zero:
+            // their values may be garbage (unwritten pages). Four unmasked
+            // keys at a time take one pass over the accumulator.
             let values = &s.values;
             let value_row = |t: usize| &values[t * d..(t + 1) * d];
             let mut t = 0;
             while t < n {
                 let quad = &s.scores[t..(t + 4).min(n)];
-                if quad.len() == 4 && quad.iter().all(|&sc| sc > f32::NEG_INFINITY) {
+                if quad.len() == 4 && quad.iter().all(|&sc| sc != f32::NEG_INFINITY) {
                     let p = [0, 1, 2, 3].map(|j| (quad[j] - new_max).exp());
                     s.row_sum[i] += (p[0] + p[1]) + (p[2] + p[3]);
                     let rows = [
@@ -374,7 +391,7 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
                     axpy4(acc_i, p, rows);
                 } else {
                     for (j, &sc) in quad.iter().enumerate() {
-                        if sc > f32::NEG_INFINITY {
+                        if sc != f32::NEG_INFINITY {
                             let prob = (sc - new_max).exp();
                             s.row_sum[i] += prob;
                             axpy(acc_i, prob, value_row(t + j));
@@ -387,15 +404,29 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
         }
         tile_start += n;
     }
+    // The sum is 0 only for a row that saw no key and has no sink mass: it
+    // is zero. Otherwise it is at least 1 (the maximum's own term), or NaN,
+    // which the division carries into the row.
     for i in 0..nq {
         let sum = s.row_sum[i];
         let acc_i = &mut acc[i * d..(i + 1) * d];
-        if sum > 0.0 {
+        if sum == 0.0 {
+            acc_i.fill(0.0);
+        } else {
             let inv = 1.0 / sum;
             acc_i.iter_mut().for_each(|a| *a *= inv);
-        } else {
-            acc_i.fill(0.0);
         }
     }
     acc
+}
+
+/// `max(acc, x)` that propagates NaN: once either is NaN the result is NaN
+/// (`f32::max` would drop it).
+#[inline(always)]
+fn max_nan(acc: f32, x: f32) -> f32 {
+    if x > acc || x.is_nan() {
+        x
+    } else {
+        acc
+    }
 }

@@ -165,3 +165,8 @@ fn fill_nan(addr: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
     }
     .w()
 }
+
+/// Free and total memory of the device, in bytes, as the driver reports them.
+pub(crate) fn memory_info(dev: &CudaDevice) -> Result<(usize, usize)> {
+    dev.cuda_stream().context().mem_get_info().w()
+}

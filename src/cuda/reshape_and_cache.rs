@@ -1,6 +1,7 @@
 //! Launch plumbing of `ReshapeAndCache` on CUDA: one program per new token
 //! copies its `num_kv_heads * head_size` row to cache row `slot` (skipping
-//! negative slots), converting to fp8 for an `F8E4M3` cache.
+//! negative slots and slots past the cache), converting to fp8 for an
+//! `F8E4M3` cache.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtrMut, LaunchConfig, PushKernelArg};
@@ -8,14 +9,17 @@ use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
 use super::{device_address, function, ptx, CACHE_MODULE};
+use crate::ops::reshape_and_cache::CacheWrite;
 
 const OP: &str = "reshape-and-cache";
 
 /// Writes `new` `(num_tokens, num_kv_heads, head_size)` into `cache`
 /// `(num_blocks, block_size, num_kv_heads, head_size)` at `slots`; an fp8
-/// cache stores `x / scale`. Shapes and slot bounds were validated by the op.
+/// cache stores `x * write.inv_scale`. `write` comes from the op's checks
+/// (shapes, dtypes, contiguity); the slots stay on the device, so the kernel
+/// skips any slot outside `0..write.capacity`.
 pub(crate) fn forward(
-    scale: f32,
+    write: &CacheWrite,
     cache: &mut CudaStorage,
     cache_layout: &Layout,
     new: &CudaStorage,
@@ -23,22 +27,21 @@ pub(crate) fn forward(
     slots: &CudaStorage,
     slots_layout: &Layout,
 ) -> Result<()> {
-    let &[num_tokens, num_kv_heads, head_size] = new_layout.dims() else {
-        bail!(
-            "{OP}: new values must have rank 3, got shape {:?}",
-            new_layout.dims()
-        );
-    };
+    let num_tokens = write.num_tokens;
     if new_layout.contiguous_offsets().is_none() || cache_layout.contiguous_offsets().is_none() {
         bail!("{OP}: the new values and the cache must be contiguous");
     }
     if slots.dtype() != DType::I64 || slots_layout.contiguous_offsets().is_none() {
         bail!("{OP}: slot_mapping must be a contiguous i64 tensor");
     }
-    if slots_layout.shape().elem_count() != num_tokens {
+    if slots_layout.shape().elem_count() != num_tokens
+        || num_tokens.checked_mul(write.row) != Some(new_layout.shape().elem_count())
+    {
         bail!(
-            "{OP}: slot_mapping has {} entries but there are {num_tokens} tokens",
-            slots_layout.shape().elem_count()
+            "{OP}: slot_mapping has {} entries and the new values {} elements, but there are {num_tokens} tokens of {} elements",
+            slots_layout.shape().elem_count(),
+            new_layout.shape().elem_count(),
+            write.row
         );
     }
     if num_tokens == 0 {
@@ -60,7 +63,14 @@ pub(crate) fn forward(
     };
     let dev = cache.device().clone();
     let stream = dev.cuda_stream();
-    let row_elems = (num_kv_heads * head_size) as i64;
+    let (Ok(row_elems), Ok(capacity)) = (i64::try_from(write.row), i64::try_from(write.capacity))
+    else {
+        bail!(
+            "{OP}: {} rows of {} elements do not fit 64-bit offsets",
+            write.capacity,
+            write.row
+        );
+    };
     let elem = new.dtype().size_in_bytes();
 
     let (src_addr, _src_sync) = device_address(new, new_layout, &stream);
@@ -96,19 +106,21 @@ pub(crate) fn forward(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let inv_scale = if fp8 { 1.0 / scale } else { 1.0 };
+    let inv_scale = write.inv_scale;
     let vec_i = vec as i32;
     let mut b = stream.launch_builder(&func);
     b.arg(&src_addr);
     b.arg(&cache_addr);
     b.arg(&slot_addr);
     b.arg(&row_elems);
+    b.arg(&capacity);
     b.arg(&inv_scale);
     b.arg(&vec_i);
     // SAFETY: `src` holds num_tokens rows of row_elems elements, `slots`
-    // num_tokens i64 values each < num_blocks * block_size (validated by the
-    // op), and `cache` num_blocks * block_size rows; the guards keep the
-    // buffers alive and ordered until after the launch.
+    // num_tokens i64 values, and `cache` `capacity` rows of row_elems
+    // (checked by the op from the layouts); the kernel writes only rows
+    // `0 <= slot < capacity`. The guards keep the buffers alive and ordered
+    // until after the launch.
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }

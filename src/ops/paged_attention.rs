@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
 
 use crate::batch::PagedBatch;
-use crate::ops::KvScales;
+use crate::ops::{check_scale, KvScales};
 
 /// Largest head size the kernels accept.
 pub const MAX_HEAD_SIZE: usize = 512;
@@ -43,9 +43,17 @@ pub enum KvSplit {
 /// * `sliding_window` - `Some(w)` keeps keys with `query_pos - key_pos < w`.
 /// * `softcap` - `Some(c)` with `c > 0` maps scores to `c * tanh(s / c)`;
 ///   `None` or `Some(0.0)` is off.
-/// * `kv_scales` - dequantisation scales of an `F8E4M3` cache.
-/// * `output_scale` - `Some(s)` returns `F8E4M3` holding `clamp(out / s)`.
+/// * `kv_scales` - dequantisation scales of an `F8E4M3` cache; normal
+///   positive floats.
+/// * `output_scale` - `Some(s)` returns `F8E4M3` holding `clamp(out / s)`;
+///   `s` a normal positive float.
 /// * `kv_split` - split-KV policy of the CUDA path.
+///
+/// The op does not read `alibi_slopes`, `sinks` or `qq_bias` back to check
+/// their values (on CUDA that would be a device sync per call); a NaN there,
+/// like a NaN or +inf sink, makes the rows it touches NaN.
+/// [`Attention::new`](crate::Attention::new) rejects non-finite slopes and
+/// sinks once, when a layer is built.
 #[derive(Clone, Debug)]
 pub struct PagedAttentionParams {
     /// `(num_blocks, block_size, num_kv_heads, head_size)`, the query's dtype or `F8E4M3`.
@@ -175,9 +183,10 @@ pub struct AttentionDims {
 }
 
 impl AttentionDims {
-    /// Query heads per KV head.
+    /// Query heads per KV head (0 when `num_kv_heads` is 0, which validated
+    /// dimensions never are).
     pub fn group_size(&self) -> usize {
-        self.num_heads / self.num_kv_heads
+        self.num_heads.checked_div(self.num_kv_heads).unwrap_or(0)
     }
 }
 
@@ -267,6 +276,9 @@ impl PagedAttentionParams {
                 "{OP}: q has head_size {head_size} but key_cache has head_size {cache_head_size}"
             );
         }
+        if num_heads == 0 {
+            bail!("{OP}: q has 0 heads; num_heads must be at least 1");
+        }
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             bail!("{OP}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}");
         }
@@ -330,9 +342,7 @@ impl PagedAttentionParams {
             self.kv_scales.validate(OP)?;
         }
         if let Some(s) = self.output_scale {
-            if !(s > 0.0 && s.is_finite()) {
-                bail!("{OP}: output_scale must be finite and > 0, got {s}");
-            }
+            check_scale(OP, "output_scale", s)?;
         }
         if let KvSplit::Segments(0) = self.kv_split {
             bail!("{OP}: kv_split Segments(0): need at least one segment");
@@ -411,6 +421,14 @@ pub fn cuda_launch_plan(q: &Tensor, params: &PagedAttentionParams) -> Result<Str
 /// Returns `(num_tokens, num_heads, head_size)` in the query's dtype, or
 /// `F8E4M3` when `params.output_scale` is set. A query row that sees no key
 /// (and no sink mass) is zero.
+///
+/// NaN is never hidden: NaN or +-inf in a query row, or NaN in a key, an
+/// ALiBi slope or a `qq_bias` entry that the row sees, makes the whole row
+/// NaN, and a NaN in a value it sees makes its columns NaN, as dense
+/// attention does. Keys a row does not see never reach it, whatever the
+/// cache holds there (on CUDA, a NaN *value* of a key that another row of
+/// the same tile sees may also reach the rows of that tile that mask it, as
+/// `0 * NaN` does in dense attention with an additive mask).
 pub fn paged_attention(q: &Tensor, params: &PagedAttentionParams) -> Result<Tensor> {
     params.validate(q.dtype(), q.shape(), q.device())?;
     let q = q.contiguous()?;

@@ -1,9 +1,10 @@
 //! `ReshapeAndCache`: scatters new keys and values into the paged caches.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Tensor};
 
 use crate::batch::SlotMapping;
-use crate::ops::KvScales;
+use crate::ops::{check_scale, storage_address, KvScales};
 
 const OP: &str = "reshape-and-cache";
 
@@ -12,11 +13,122 @@ const OP: &str = "reshape-and-cache";
 /// which locks `cache` for writing: `new` `(num_tokens, num_kv_heads, head_size)`
 /// goes to rows `slot % block_size` of blocks `slot / block_size`; negative
 /// slots are skipped. An `F8E4M3` cache stores `clamp(x / scale, -448, 448)`.
-/// Use it through [`reshape_and_cache`], which validates the call.
+///
+/// Prefer [`reshape_and_cache`], which validates the whole call (both caches,
+/// the slot mapping's bounds and duplicates) on the host. Applied directly,
+/// the op still checks everything it can without reading device memory
+/// before it reaches a backend: ranks, dtypes, that `new` has the cache's
+/// heads and head size, one i64 slot per token, contiguity and the scale of
+/// an fp8 cache. On the CPU it also rejects a slot `>= num_blocks *
+/// block_size` before writing anything; on CUDA, where the slots are not
+/// read back, the kernel skips such slots instead.
+///
+/// Duplicate slots in one call: on the CPU the last token wins; on CUDA
+/// which one wins is unspecified. [`SlotMapping`] rejects duplicates, so
+/// [`reshape_and_cache`] never sees any.
 #[derive(Clone, Copy, Debug)]
 pub struct ReshapeAndCache {
-    /// Divides values stored into an `F8E4M3` cache.
+    /// Divides values stored into an `F8E4M3` cache; must be a normal,
+    /// finite, positive float (ignored for other caches).
     pub scale: f32,
+}
+
+/// What a validated call writes: `num_tokens` rows of `row` elements into a
+/// cache of `capacity` rows, multiplied by `inv_scale` for an fp8 cache.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct CacheWrite {
+    /// Tokens (rows of `new`, entries of the slot mapping).
+    pub num_tokens: usize,
+    /// Elements per token: `num_kv_heads * head_size`.
+    pub row: usize,
+    /// Cache rows: `num_blocks * block_size`; valid slots are `0..capacity`.
+    pub capacity: usize,
+    /// `1 / scale` for an `F8E4M3` cache (finite: the scale is normal), else 1.
+    pub inv_scale: f32,
+}
+
+impl ReshapeAndCache {
+    /// Checks one application of the op from the operands' dtypes and
+    /// layouts (no device data is read).
+    pub(crate) fn check(
+        &self,
+        cache: (DType, &Layout),
+        new: (DType, &Layout),
+        slots: (DType, &Layout),
+    ) -> Result<CacheWrite> {
+        let (cache_dtype, cache_layout) = cache;
+        let (new_dtype, new_layout) = new;
+        let (slots_dtype, slots_layout) = slots;
+        let &[num_blocks, block_size, cache_heads, cache_head_size] = cache_layout.dims() else {
+            bail!(
+                "{OP}: the cache must have rank 4 [num_blocks, block_size, num_kv_heads, head_size], got shape {:?}",
+                cache_layout.dims()
+            );
+        };
+        let &[num_tokens, num_kv_heads, head_size] = new_layout.dims() else {
+            bail!(
+                "{OP}: the new values must have rank 3 [num_tokens, num_kv_heads, head_size], got shape {:?}",
+                new_layout.dims()
+            );
+        };
+        if (num_kv_heads, head_size) != (cache_heads, cache_head_size) {
+            bail!(
+                "{OP}: the new values have {num_kv_heads} heads of size {head_size} but the cache has {cache_heads} heads of size {cache_head_size}"
+            );
+        }
+        if block_size == 0 || num_kv_heads == 0 || head_size == 0 {
+            bail!(
+                "{OP}: block_size, num_kv_heads and head_size must be positive, got {block_size}, {num_kv_heads} and {head_size}"
+            );
+        }
+        if !matches!(new_dtype, DType::F32 | DType::F16 | DType::BF16) {
+            bail!("{OP}: the new values must be f32, f16 or bf16, got {new_dtype:?}");
+        }
+        if cache_dtype != new_dtype && cache_dtype != DType::F8E4M3 {
+            bail!(
+                "{OP}: the cache must be {new_dtype:?} (the new values' dtype) or F8E4M3, got {cache_dtype:?}"
+            );
+        }
+        let inv_scale = if cache_dtype == DType::F8E4M3 {
+            check_scale(OP, "scale", self.scale)?;
+            1.0 / self.scale
+        } else {
+            1.0
+        };
+        if slots_dtype != DType::I64 {
+            bail!("{OP}: slot_mapping must be i64, got {slots_dtype:?}");
+        }
+        if slots_layout.shape().elem_count() != num_tokens {
+            bail!(
+                "{OP}: slot_mapping has {} entries but there are {num_tokens} new tokens",
+                slots_layout.shape().elem_count()
+            );
+        }
+        for (name, layout) in [
+            ("the cache", cache_layout),
+            ("the new values", new_layout),
+            ("slot_mapping", slots_layout),
+        ] {
+            if layout.contiguous_offsets().is_none() {
+                bail!("{OP}: {name} must be contiguous");
+            }
+        }
+        // The cache and `new` exist, so these products fit; checked anyway.
+        let row = num_kv_heads.checked_mul(head_size);
+        let capacity = num_blocks.checked_mul(block_size);
+        let (Some(row), Some(capacity)) = (row, capacity) else {
+            bail!(
+                "{OP}: cache shape {:?} overflows usize",
+                cache_layout.dims()
+            );
+        };
+        Ok(CacheWrite {
+            num_tokens,
+            row,
+            capacity,
+            inv_scale,
+        })
+    }
 }
 
 impl candle_core::InplaceOp3 for ReshapeAndCache {
@@ -33,8 +145,13 @@ impl candle_core::InplaceOp3 for ReshapeAndCache {
         slots: &CpuStorage,
         slots_layout: &Layout,
     ) -> Result<()> {
+        let write = self.check(
+            (cache.dtype(), cache_layout),
+            (new.dtype(), new_layout),
+            (slots.dtype(), slots_layout),
+        )?;
         crate::cpu::reshape_and_cache::forward(
-            self.scale,
+            &write,
             cache,
             cache_layout,
             new,
@@ -54,8 +171,13 @@ impl candle_core::InplaceOp3 for ReshapeAndCache {
         slots: &candle_core::CudaStorage,
         slots_layout: &Layout,
     ) -> Result<()> {
+        let write = self.check(
+            (cache.dtype(), cache_layout),
+            (new.dtype(), new_layout),
+            (slots.dtype(), slots_layout),
+        )?;
         crate::cuda::reshape_and_cache::forward(
-            self.scale,
+            &write,
             cache,
             cache_layout,
             new,
@@ -84,6 +206,11 @@ fn validate_pair(
             cache.dims()
         );
     };
+    if block_size == 0 || cache_heads == 0 || cache_head_size == 0 {
+        bail!(
+            "{OP}: {name}_cache has block_size {block_size}, {cache_heads} heads and head_size {cache_head_size}; all must be positive"
+        );
+    }
     if !matches!(new.dtype(), DType::F32 | DType::F16 | DType::BF16) {
         bail!(
             "{OP}: {name} must be f32, f16 or bf16, got {:?}",
@@ -126,7 +253,8 @@ fn validate_pair(
         );
     }
     if let Some(max) = slot_mapping.max_slot() {
-        let capacity = (num_blocks * block_size) as i64;
+        // A slot past i64::MAX rows cannot be named, so saturating is exact here.
+        let capacity = i64::try_from(num_blocks.saturating_mul(block_size)).unwrap_or(i64::MAX);
         if max >= capacity {
             bail!("{OP}: slot_mapping holds slot {max} >= num_blocks * block_size = {capacity}");
         }
@@ -139,9 +267,13 @@ fn validate_pair(
 /// # Arguments
 /// * `key`, `value` - `(num_tokens, num_kv_heads, head_size)`, f32/f16/bf16.
 /// * `key_cache`, `value_cache` - `(num_blocks, block_size, num_kv_heads, head_size)`,
-///   contiguous, the dtype of `key`/`value` or `F8E4M3`.
-/// * `slot_mapping` - one slot per token, `block * block_size + row`; negative = padding.
-/// * `scales` - an `F8E4M3` cache stores `clamp(k / k_scale)` and `clamp(v / v_scale)`.
+///   contiguous, the dtype of `key`/`value` or `F8E4M3`; two distinct
+///   allocations (one tensor, or two views of one, as both caches is an error).
+/// * `slot_mapping` - one slot per token, `block * block_size + row`, each
+///   below `num_blocks * block_size`; negative = padding. A [`SlotMapping`]
+///   holds no duplicate slot, so each cache row is written at most once.
+/// * `scales` - an `F8E4M3` cache stores `clamp(k / k_scale)` and `clamp(v / v_scale)`;
+///   both scales must then be normal, finite and positive.
 pub fn reshape_and_cache(
     key: &Tensor,
     value: &Tensor,
@@ -166,10 +298,16 @@ pub fn reshape_and_cache(
     }
     validate_pair("key", key, key_cache, slot_mapping)?;
     validate_pair("value", value, value_cache, slot_mapping)?;
+    if storage_address(key_cache) == storage_address(value_cache) {
+        bail!(
+            "{OP}: key_cache and value_cache share one allocation; they must be distinct tensors"
+        );
+    }
     if key_cache.dtype() == DType::F8E4M3 || value_cache.dtype() == DType::F8E4M3 {
         scales.validate(OP)?;
     }
-    if slot_mapping.is_empty() {
+    if slot_mapping.max_slot().is_none() {
+        // No token to store (none at all, or padding only).
         return Ok(());
     }
     let key = key.contiguous()?;
