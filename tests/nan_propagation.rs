@@ -11,12 +11,15 @@
 //! with its reduction, fp8 caches and output); without a GPU the CUDA tests
 //! fail unless `CANDLE_PAGED_ATTENTION_SKIP_GPU=1`.
 
+#[macro_use]
 mod common;
 
 use std::collections::HashSet;
+use std::ops::Range;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
+use candle_paged_attention::reference::{self, visibility};
 use candle_paged_attention::KvSplit;
 use common::*;
 
@@ -53,6 +56,55 @@ fn upload(data: &[f32], shape: &[usize], dtype: DType, dev: &Device) -> Result<T
         .to_device(dev)?)
 }
 
+/// Host copies of a case's inputs as f32 (exact: every value came from a
+/// tensor of the case's dtypes), to poison and upload again.
+struct Host {
+    q: Vec<f32>,
+    key_cache: Vec<f32>,
+    value_cache: Vec<f32>,
+    num_blocks: usize,
+    block_tables: Vec<Vec<u32>>,
+    prefix_ranges: Vec<Vec<Range<u32>>>,
+    alibi_slopes: Option<Vec<f32>>,
+    sinks: Option<Vec<f32>>,
+    /// Row-major data and `(rows, cols)`.
+    qq_bias: Option<(Vec<f32>, (usize, usize))>,
+}
+
+/// The elements of `t` as f32 on the host.
+fn host_values(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?)
+}
+
+impl Host {
+    fn of(inputs: &Inputs) -> Result<Self> {
+        let batch = inputs.batch.host();
+        let num_seqs = batch.num_seqs();
+        let optional = |t: &Option<Tensor>| t.as_ref().map(host_values).transpose();
+        Ok(Self {
+            q: host_values(&inputs.q)?,
+            key_cache: host_values(&inputs.key_cache)?,
+            value_cache: host_values(&inputs.value_cache)?,
+            num_blocks: inputs.key_cache.dim(0)?,
+            block_tables: (0..num_seqs)
+                .map(|i| batch.block_table(i).to_vec())
+                .collect(),
+            prefix_ranges: (0..num_seqs)
+                .map(|i| batch.prefix_ranges.get(i).cloned().unwrap_or_default())
+                .collect(),
+            alibi_slopes: optional(&inputs.alibi_slopes)?,
+            sinks: optional(&inputs.sinks)?,
+            qq_bias: match &inputs.qq_bias {
+                Some(t) => Some((host_values(t)?, t.dims2()?)),
+                None => None,
+            },
+        })
+    }
+}
+
 /// The physical cache row `(block, row)` of key `t` of sequence `i`.
 fn physical(host: &Host, bs: usize, i: usize, t: usize) -> (usize, usize) {
     (host.block_tables[i][t / bs] as usize, t % bs)
@@ -74,7 +126,8 @@ fn poison(
     );
     let group = h / kvh;
     let n = case.num_tokens();
-    let host = &mut inputs.host;
+    let mut host_copy = Host::of(inputs)?;
+    let host = &mut host_copy;
     let cache_shape = [host.num_blocks, bs, kvh, d];
     // (sequence, first token) of each sequence, and its visibility matrix.
     let mut seqs = Vec::new();
@@ -180,16 +233,11 @@ fn poison(
             nan_rows.extend((0..n).flat_map(|token| [(token, 0), (token, h - 1)]));
         }
         Poison::QqBias => {
-            let bias = host.qq_bias.as_mut().context("a case with qq_bias")?;
+            let (bias, (rows, cols)) = host.qq_bias.as_mut().context("a case with qq_bias")?;
             // bias[0][0] is added to the score of each sequence's first new
             // token against itself, which it always sees.
-            bias.data[0] = f32::NAN;
-            inputs.qq_bias = Some(upload(
-                &bias.data,
-                &[bias.rows, bias.cols],
-                DType::F32,
-                dev,
-            )?);
+            bias[0] = f32::NAN;
+            inputs.qq_bias = Some(upload(bias, &[*rows, *cols], DType::F32, dev)?);
             for (_, token0, q_len, _, _) in &seqs {
                 if *q_len > 0 {
                     nan_rows.extend((0..h).map(|hd| (*token0, hd)));
@@ -208,17 +256,17 @@ fn check_poisoned(case: &Case, what: Poison, dev: &Device) -> Result<()> {
     let mut inputs = case.build(dev).context(label.clone())?;
     let nan_rows = poison(case, &mut inputs, what, dev).context(label.clone())?;
     let actual = run_op(case, &inputs).context(label.clone())?;
-    let expected = oracle(case, &inputs.host);
+    let expected = reference::paged_attention_f64(&inputs.q, &case.params(&inputs))?;
     let (h, d) = (case.num_heads, case.head_size);
     let tol = Tolerance::for_case(case);
     let (mut nan_seen, mut finite_checked) = (0, 0);
-    for (i, (&a, &e)) in actual.iter().zip(&expected.values).enumerate() {
+    for (i, (&a, &e)) in actual.iter().zip(expected.values()).enumerate() {
         let (token, head, dim) = (i / (h * d), (i / d) % h, i % d);
         let at = format!("{label}: (token {token}, head {head}, dim {dim})");
         if nan_rows.contains(&(token, head)) || e.is_nan() {
             ensure!(a.is_nan(), "{at}: got {a}, expected NaN");
             nan_seen += 1;
-        } else if expected.empty_rows[token * h + head] {
+        } else if expected.empty_rows()[token * h + head] {
             ensure!(a == 0.0, "{at}: a row with no visible key gave {a}");
         } else {
             ensure!(
@@ -336,48 +384,7 @@ fn nan_in_slopes_sinks_and_bias(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// CUDA device 0; without one an error, or `None` (skip) when
-/// `CANDLE_PAGED_ATTENTION_SKIP_GPU=1`.
-#[cfg(feature = "cuda")]
-fn gpu() -> Result<Option<Device>> {
-    match Device::new_cuda(0) {
-        Ok(d) => Ok(Some(d)),
-        Err(e) if std::env::var("CANDLE_PAGED_ATTENTION_SKIP_GPU").as_deref() == Ok("1") => {
-            eprintln!("SKIPPED: no CUDA device ({e})");
-            Ok(None)
-        }
-        Err(e) => anyhow::bail!(
-            "no CUDA device ({e}); set CANDLE_PAGED_ATTENTION_SKIP_GPU=1 to skip the GPU tests"
-        ),
-    }
-}
-
-macro_rules! on_every_device {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(
-                #[test]
-                fn $name() -> anyhow::Result<()> {
-                    super::$name(&candle_core::Device::Cpu)
-                }
-            )*
-        }
-        #[cfg(feature = "cuda")]
-        mod cuda {
-            $(
-                #[test]
-                fn $name() -> anyhow::Result<()> {
-                    match super::gpu()? {
-                        Some(dev) => super::$name(&dev),
-                        None => Ok(()),
-                    }
-                }
-            )*
-        }
-    };
-}
-
-on_every_device!(
+device_test!(
     nan_in_queries,
     nan_in_a_key,
     nan_in_a_value,

@@ -8,7 +8,7 @@
 //! missing GPU fails the test unless `CANDLE_PAGED_ATTENTION_SKIP_GPU=1`.
 #![allow(clippy::single_range_in_vec_init)]
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_paged_attention::{
     num_blocks_for_budget, paged_attention, reshape_and_cache, Attention, AttentionMetadata,
@@ -189,12 +189,22 @@ fn oversized_cache_is_refused(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// A block manager of `u32::MAX` blocks (its ids are u32) is built at once
-/// instead of aborting on a 100 GiB bookkeeping allocation, and schedules.
+/// A block manager of `u32::MAX` blocks (its ids are u32) is refused with the
+/// byte count instead of aborting on a 160 GiB bookkeeping allocation; a
+/// large pool within the bound is built without touching its free list.
 #[test]
 fn block_manager_with_u32_max_blocks() -> Result<()> {
-    let mut mgr = BlockManager::new(BlockManagerConfig::new(16, u32::MAX as usize))?;
-    ensure!(mgr.num_free_blocks() == u32::MAX as usize);
+    let err = BlockManager::new(BlockManagerConfig::new(16, u32::MAX as usize))
+        .err()
+        .context("u32::MAX blocks were accepted")?
+        .to_string();
+    ensure!(
+        err.contains("4294967295 blocks would take 171798691800 bytes of bookkeeping"),
+        "{err}"
+    );
+    let blocks = 1 << 24;
+    let mut mgr = BlockManager::new(BlockManagerConfig::new(16, blocks))?;
+    ensure!(mgr.num_free_blocks() == blocks);
     mgr.add_sequence(7, &[1, 2, 3, 4, 5])?;
     let batch = mgr.schedule(
         &[Work::Prefill {
@@ -204,9 +214,9 @@ fn block_manager_with_u32_max_blocks() -> Result<()> {
         &Device::Cpu,
     )?;
     ensure!(batch.metadata.slot_mapping().host() == [0, 1, 2, 3, 4]);
-    ensure!(mgr.num_free_blocks() == u32::MAX as usize - 1);
+    ensure!(mgr.num_free_blocks() == blocks - 1);
     mgr.free(7)?;
-    ensure!(mgr.num_free_blocks() == u32::MAX as usize);
+    ensure!(mgr.num_free_blocks() == blocks);
     Ok(())
 }
 
