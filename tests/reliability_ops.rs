@@ -3,10 +3,14 @@
 //! memory, the public `ReshapeAndCache` op applied directly, caches that
 //! alias, duplicate or misplaced slots, subnormal scales, non-finite sinks
 //! and slopes, prefix ranges that window groups or chunked-local layers
-//! cannot serve. Each body takes the device: the `cpu` module runs them on
-//! the CPU, the `cuda` module (feature `cuda`) on CUDA device 0, where a
-//! missing GPU fails the test unless `CANDLE_PAGED_ATTENTION_SKIP_GPU=1`.
+//! cannot serve. Each body takes the device and runs through the shared
+//! harness (`device_test!`): `NAME::cpu` on the CPU and, with the `cuda`
+//! feature, `NAME::cuda` on CUDA device 0 (see tests/common/device.rs for
+//! the environment a GPU run needs).
 #![allow(clippy::single_range_in_vec_init)]
+
+#[macro_use]
+mod common;
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -46,7 +50,10 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
 
 /// A cache `(blocks, block_size, heads, head_size)` filled with -7.
 fn sentinel(shape: (usize, usize, usize, usize), dtype: DType, dev: &Device) -> Result<Tensor> {
-    Ok(Tensor::full(-7f32, shape, dev)?.to_dtype(dtype)?)
+    // Built on the CPU: candle's CUDA backend has no cast to `F8E4M3`.
+    Ok(Tensor::full(-7f32, shape, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(dev)?)
 }
 
 // ---- paged_attention sizes -------------------------------------------------
@@ -256,7 +263,9 @@ fn raw_op_slot_past_capacity_is_an_error_on_cpu() -> Result<()> {
 #[cfg(feature = "cuda")]
 #[test]
 fn raw_op_slot_past_capacity_is_skipped_on_cuda() -> Result<()> {
-    let Some(dev) = gpu()? else { return Ok(()) };
+    let Some(dev) = common::cuda_device()? else {
+        return Ok(());
+    };
     for dtype in [DType::F32, DType::BF16, DType::F8E4M3] {
         let cache = sentinel(GEOM, dtype, &dev)?;
         let new = rows(4, 2, 8, &dev)?.to_dtype(if dtype == DType::F8E4M3 {
@@ -702,48 +711,7 @@ fn prefix_ranges_in_chunked_local_layers(dev: &Device) -> Result<()> {
 
 // ---- device instantiation ---------------------------------------------------------------
 
-/// CUDA device 0; without one an error, or `None` (skip) when
-/// `CANDLE_PAGED_ATTENTION_SKIP_GPU=1`.
-#[cfg(feature = "cuda")]
-fn gpu() -> Result<Option<Device>> {
-    match Device::new_cuda(0) {
-        Ok(d) => Ok(Some(d)),
-        Err(e) if std::env::var("CANDLE_PAGED_ATTENTION_SKIP_GPU").as_deref() == Ok("1") => {
-            eprintln!("SKIPPED: no CUDA device ({e})");
-            Ok(None)
-        }
-        Err(e) => bail!(
-            "no CUDA device ({e}); set CANDLE_PAGED_ATTENTION_SKIP_GPU=1 to skip the GPU tests"
-        ),
-    }
-}
-
-macro_rules! on_every_device {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(
-                #[test]
-                fn $name() -> anyhow::Result<()> {
-                    super::$name(&candle_core::Device::Cpu)
-                }
-            )*
-        }
-        #[cfg(feature = "cuda")]
-        mod cuda {
-            $(
-                #[test]
-                fn $name() -> anyhow::Result<()> {
-                    match super::gpu()? {
-                        Some(dev) => super::$name(&dev),
-                        None => Ok(()),
-                    }
-                }
-            )*
-        }
-    };
-}
-
-on_every_device!(
+device_test!(
     huge_attention_chunk_size_is_plain_causal,
     oversized_cache_is_refused,
     raw_op_validates_operands,
