@@ -158,6 +158,12 @@ struct RowInfo {
 // block indices; `locate` finds the program's rows and keys; the members
 // below are the phases `attention_body` runs in order. Everything is
 // inlined into the kernel, so the members are registers, as locals were.
+// The per-thread state the key loop updates (score scales, accumulator,
+// running maxima and sums, the next block id) stays in the caller's locals,
+// passed by reference. A member that writes through a pointer or reference
+// first copies the fields it reads into locals: members are optimised on
+// their own before they are inlined, where such a write might alias a field,
+// and field re-reads there change the code generated for the kernel.
 template <typename T, typename C, class CF>
 struct AttnProgram {
   static constexpr bool FP8 = IsFp8<C>::value;
@@ -173,6 +179,9 @@ struct AttnProgram {
   // One warp's scores of a tile: MT fragment tiles x KW / 8 key octets.
   using Scores = float[MT][KW / 8][4];
   using RowMax = float[MT][2];
+  // The per-thread accumulator: the warp's WR rows x DV columns as MT x
+  // DV / 8 m16n8 fragments.
+  using Acc = float[MT][DV / 8][4];
 
   const AttnParams& p;
 
@@ -207,7 +216,6 @@ struct AttnProgram {
   const C* vc;
   int bs, bs_shift;
   bool bs_pow2;
-  uint32_t next_blk;  // block id of the key this thread handles next (read a tile ahead)
 
   // ---- per-thread rows: fragment rows g and g + 8 of each of the warp's MT tiles ----
   int g, c4, wrow0;
@@ -215,9 +223,6 @@ struct AttnProgram {
   float cap;
   const float* qq;
   bool plain;  // no per-key terms besides the mask
-  float rsc[MT][2], rsc_log2[MT][2];  // score scale per fragment row (the query's f16 scaling folded in)
-  float acc[MT][DV / 8][4];
-  float m_run[MT][2], l_run[MT][2];
 
   __device__ __forceinline__ explicit AttnProgram(const AttnParams& params) : p(params) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -332,11 +337,10 @@ struct AttnProgram {
 
   // ---- Q: BM packed rows x HEAD columns (zero past head_size / invalid rows) ----
 
-  // Eight query values of chunk c (packed row c / CPR, columns (c % CPR) * 8
+  // Eight query values of chunk c of q (packed row c / CPR, columns (c % CPR) * 8
   // on) as f32, zero past head_size and on invalid rows; returns the row.
-  __device__ __forceinline__ int q_chunk(int c, float (&v)[8]) const {
+  __device__ __forceinline__ int q_chunk(const T* q, int c, float (&v)[8]) const {
     constexpr int CPR = HEAD / 8;
-    const T* q = static_cast<const T*>(p.q);
     const int r = c / CPR, col = (c % CPR) * 8;
     const RowInfo ri = row_info(r);
     const int64_t src = ((int64_t)(q_start + ri.q_rel) * p.num_heads + ri.head) * hs + col;
@@ -352,8 +356,12 @@ struct AttnProgram {
   // NaN. Four block barriers: the row maxima cleared, gathered, sQ written,
   // the scales written.
   __device__ __forceinline__ void load_q_scaled() {
+    const int tid = this->tid;
+    MM* sQ = this->sQ;
+    float* row_qscale = this->row_qscale;
+    const T* q = static_cast<const T*>(p.q);
     constexpr int CPR = HEAD / 8;
-    int* row_max_bits = reinterpret_cast<int*>(red_m);
+    int* row_max_bits = reinterpret_cast<int*>(this->red_m);
     for (int r = tid; r < BM; r += NT) row_max_bits[r] = 0;
     __syncthreads();
     // The largest |q| of each row as int bits: for non-negative floats the
@@ -361,7 +369,7 @@ struct AttnProgram {
     // and NaN above +inf, so a row holding NaN or inf ends non-finite.
     for (int c = tid; c < BM * CPR; c += NT) {
       float v[8];
-      const int r = q_chunk(c, v);
+      const int r = q_chunk(q, c, v);
       int mb = 0;
 #pragma unroll
       for (int e = 0; e < 8; ++e) mb = max(mb, __float_as_int(fabsf(v[e])));
@@ -370,7 +378,7 @@ struct AttnProgram {
     __syncthreads();
     for (int c = tid; c < BM * CPR; c += NT) {
       float v[8];
-      const int r = q_chunk(c, v);
+      const int r = q_chunk(q, c, v);
       const float m = __int_as_float(row_max_bits[r]);
       int ex = 0;
       frexpf(m, &ex);  // m < 2^ex
@@ -396,6 +404,10 @@ struct AttnProgram {
   // first tile's group) when 16-byte loads are allowed. Their NaN / inf
   // check waits for the first tile (`check_q_rows`).
   __device__ __forceinline__ void load_q_direct() {
+    const AttnParams& p = this->p;
+    const int tid = this->tid, hs = this->hs, q_start = this->q_start;
+    const bool vec = this->vec;
+    MM* sQ = this->sQ;
     const T* q = static_cast<const T*>(p.q);
     constexpr int CPR = HEAD / 8;
     for (int c = tid; c < BM * CPR; c += NT) {
@@ -433,7 +445,6 @@ struct AttnProgram {
     bs = p.block_size;
     bs_pow2 = (bs & (bs - 1)) == 0;
     bs_shift = __ffs(bs) - 1;
-    next_blk = 0;
   }
 
   // The block-table entry of this thread's key of tile t (0 past the segment / keys).
@@ -524,6 +535,15 @@ struct AttnProgram {
   // Issues the loads of tile t into ring stage (t - t_begin) % STAGES, the
   // stage of its offsets' slot (fp8: the staging ring; else sK / sV).
   __device__ __forceinline__ void load_tile(int t) {
+    const int64_t* koff = this->koff;
+    const C* kc = this->kc;
+    const C* vc = this->vc;
+    uint8_t* stK = this->stK;
+    uint8_t* stV = this->stV;
+    MM* sK = this->sK;
+    MM* sV = this->sV;
+    const int t_begin = this->t_begin, dvc = this->dvc;
+    const bool vec = this->vec;
     const int stage = (t - t_begin) % STAGES;
     const int64_t* offs = koff + stage * BN;
     if constexpr (FP8) {
@@ -544,17 +564,23 @@ struct AttnProgram {
   // ---- per-thread state ----
 
   // Whether the warp has a real row, the score scales of this thread's
-  // fragment rows, and empty accumulators.
-  __device__ __forceinline__ void init_rows() {
-    g = lane >> 2;
+  // fragment rows (the query's f16 scaling folded in), and empty
+  // accumulators. The per-thread state (scales, accumulator, running maxima
+  // and sums) stays in the caller's registers and is passed by reference.
+  __device__ __forceinline__ void init_rows(RowMax& rsc, RowMax& rsc_log2, Acc& acc, RowMax& m_run, RowMax& l_run) {
+    const AttnParams& p = this->p;
+    const float* row_qscale = this->row_qscale;
+    const int g = lane >> 2, wrow0 = wm * WR;
+    this->g = g;
     c4 = lane & 3;
-    wrow0 = wm * WR;
+    this->wrow0 = wrow0;
     bool any_row = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
       any_row = any_row || row_info(wrow0 + mt * 16 + g).valid || row_info(wrow0 + mt * 16 + g + 8).valid;
     warp_rows = __any_sync(0xffffffffu, any_row);
-    cap = p.softcap;
+    const float cap = p.softcap;
+    this->cap = cap;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -565,7 +591,7 @@ struct AttnProgram {
       }
     }
     qq = p.qq_bias;
-    plain = nr == 0 && cap <= 0.f && qq == nullptr && p.alibi_slopes == nullptr;
+    plain = nr == 0 && cap <= 0.f && p.qq_bias == nullptr && p.alibi_slopes == nullptr;
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -576,11 +602,13 @@ struct AttnProgram {
     }
   }
 
+
   // ---- the key loop ----
 
   // Offsets of the first STAGES tiles, then the loads of the first
   // STAGES - 1, one cp.async group each (Q rides in the first group).
-  __device__ __forceinline__ void prologue() {
+  __device__ __forceinline__ void prologue(uint32_t& next_blk) {
+    const int t_begin = this->t_begin, t_end = this->t_end;
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) tile_offsets(t_begin + s, table_entry(t_begin + s));
     next_blk = table_entry(t_begin + STAGES);
@@ -598,8 +626,12 @@ struct AttnProgram {
   // warps each warp reads only its own KW keys, so it converts just those
   // and no block barrier is needed.
   __device__ __forceinline__ void stage_tile(int stage, const MM*& tK, const MM*& tV) {
+    MM* sK = this->sK;
+    MM* sV = this->sV;
     if constexpr (FP8) {
       constexpr bool OWN = CF::WARPS_M == 1 && WARPS_N > 1;
+      const uint8_t* stK = this->stK;
+      const uint8_t* stV = this->stV;
       const int k0 = OWN ? wn * KW : 0;
       constexpr int NK = OWN ? KW : BN;
       const int t0 = OWN ? lane : tid;
@@ -630,7 +662,9 @@ struct AttnProgram {
   // checks a quarter of its fragment rows g and g + 8 (the quad shares the
   // rest), and a row holding NaN or +-inf gets a NaN score scale, so that
   // every score it makes, and so the row, is NaN.
-  __device__ __forceinline__ void check_q_rows() {
+  __device__ __forceinline__ void check_q_rows(RowMax& rsc, RowMax& rsc_log2) const {
+    const MM* sQ = this->sQ;
+    const int wrow0 = this->wrow0, g = this->g, c4 = this->c4;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -653,6 +687,8 @@ struct AttnProgram {
   // S = Q K^T for this warp's WR rows x KW keys of the tile in tK; each K
   // fragment feeds MT MMAs.
   __device__ __forceinline__ void qk(const MM* tK, Scores& s) const {
+    const MM* sQ = this->sQ;
+    const int wrow0 = this->wrow0, lane = this->lane, hs = this->hs, wn = this->wn;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -683,7 +719,15 @@ struct AttnProgram {
   // quad. A warp whose keys every row of the program sees, with no extra
   // terms, only scales (rows past the program's valid rows are never
   // written). Masked keys are selected to -inf, never computed from data.
-  __device__ __forceinline__ void score(int t, Scores& s, RowMax& tmax) const {
+  __device__ __forceinline__ void score(int t, Scores& s, RowMax& tmax, const RowMax& rsc, const RowMax& rsc_log2) const {
+    const AttnParams& p = this->p;
+    const int k_lo = this->k_lo, k_hi = this->k_hi, wn = this->wn, q_first = this->q_first, q_last = this->q_last;
+    const int window = this->window, nr = this->nr, context_len = this->context_len, wrow0 = this->wrow0;
+    const int g = this->g, c4 = this->c4;
+    const bool plain = this->plain;
+    const float cap = this->cap;
+    const float* qq = this->qq;
+    const uint32_t* ranges = this->ranges;
     const int tile_start = k_lo + t * BN;
     const int warp_key0 = tile_start + wn * KW;
     const bool full = plain && warp_key0 + KW - 1 <= q_first && warp_key0 + KW <= k_hi &&
@@ -747,7 +791,8 @@ struct AttnProgram {
   // Online softmax over the tile: moves each row's running maximum, rescales
   // its sum (and its accumulator, when the maximum moved for some row of the
   // warp) and turns the logits in s into probabilities added to the sum.
-  __device__ __forceinline__ void softmax_update(Scores& s, const RowMax& tmax) {
+  __device__ __forceinline__ void softmax_update(Scores& s, const RowMax& tmax, Acc& acc, RowMax& m_run,
+                                                 RowMax& l_run) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float alpha[2], m_use[2];
@@ -786,7 +831,8 @@ struct AttnProgram {
   // O += P V over the warp's KW keys of the tile in tV: P from the score
   // registers, V^T fragments via ldmatrix.trans, each V fragment feeding MT
   // MMAs.
-  __device__ __forceinline__ void pv(const Scores& s, const MM* tV) {
+  __device__ __forceinline__ void pv(const Scores& s, const MM* tV, Acc& acc) const {
+    const int wn = this->wn, lane = this->lane, dvc = this->dvc, hs = this->hs;
 #pragma unroll
     for (int j = 0; j < KW / 16; ++j) {
       uint32_t a[MT][4];
@@ -817,8 +863,11 @@ struct AttnProgram {
   // t + STAGES - 1 (one cp.async group per iteration, empty past the end),
   // write the offsets of tile t + STAGES into tile t's slot, then score and
   // accumulate tile t.
-  __device__ __forceinline__ void key_loop() {
-    prologue();
+  __device__ __forceinline__ void key_loop(RowMax& rsc, RowMax& rsc_log2, Acc& acc, RowMax& m_run, RowMax& l_run) {
+    uint32_t next_blk = 0;  // block id of the key this thread handles next (read a tile ahead)
+    const int t_begin = this->t_begin, t_end = this->t_end;
+    const bool warp_rows = this->warp_rows;
+    prologue(next_blk);
     for (int t = t_begin; t < t_end; ++t) {
       const int stage = (t - t_begin) % STAGES;
       // Tile t has landed once at most STAGES - 2 younger groups are pending.
@@ -838,15 +887,15 @@ struct AttnProgram {
       // program, say) skip the tile.
       if (!warp_rows) continue;
       if constexpr (!FP8) {
-        if (t == t_begin) check_q_rows();
+        if (t == t_begin) check_q_rows(rsc, rsc_log2);
       }
       Scores s;
       qk(tK, s);
       RowMax tmax;
-      score(t, s, tmax);
+      score(t, s, tmax, rsc, rsc_log2);
       if (!tile_seen(tmax)) continue;
-      softmax_update(s, tmax);
-      pv(s, tV);
+      softmax_update(s, tmax, acc, m_run, l_run);
+      pv(s, tV, acc);
     }
     cp_async_wait<0>();
   }
@@ -856,7 +905,11 @@ struct AttnProgram {
   // Merges the warps that split the keys: each warp's row maxima and sums
   // to red_m / red_l, then its accumulator rescaled to the common maximum
   // into its slice of the merge buffer (over the tiles). Two block barriers.
-  __device__ __forceinline__ void merge_warps() {
+  __device__ __forceinline__ void merge_warps(const Acc& acc, RowMax& m_run, RowMax& l_run) const {
+    float* red_m = this->red_m;
+    float* red_l = this->red_l;
+    float* merge = this->merge;
+    const int wrow0 = this->wrow0, g = this->g, c4 = this->c4, wn = this->wn;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       l_run[mt][0] = quad_sum(l_run[mt][0]);
@@ -902,6 +955,9 @@ struct AttnProgram {
   // Packed row r, columns d0 .. d0 + 8 of the merge buffer summed over the
   // warps into o, with the row's maximum M and sum L.
   __device__ __forceinline__ void merged_row(int r, int d0, float& M, float& L, float (&o)[8]) const {
+    const float* red_m = this->red_m;
+    const float* red_l = this->red_l;
+    const float* merge = this->merge;
     M = neg_inf();
 #pragma unroll
     for (int w = 0; w < WARPS_N; ++w) M = max_nan(M, red_m[w * BM + r]);
@@ -923,6 +979,9 @@ struct AttnProgram {
   // normalised, with the head's sink.
   __device__ __forceinline__ void store_output(int64_t token, int head, int gcol0, int ncols, float M, float L,
                                                const float (&o)[8]) const {
+    const AttnParams& p = this->p;
+    const int hs = this->hs;
+    const bool vec = this->vec;
     float f = 1.f;
     if (p.sinks != nullptr) {
       const float s2 = p.sinks[head] * LOG2E;
@@ -954,6 +1013,9 @@ struct AttnProgram {
   // per row, its (max, sum) to the workspace, for `reduce_segments_*`.
   __device__ __forceinline__ void store_partial(const RowInfo& ri, int64_t token, int S, int gcol0, int ncols,
                                                 float M, float L, const float (&o)[8]) const {
+    const AttnParams& p = this->p;
+    const int hs = this->hs, seg = this->seg, seq = this->seq;
+    const bool vec = this->vec;
     const int64_t prow = p.ws_seq_rows > 0 ? (int64_t)seq * p.ws_seq_rows + ri.q_rel : token;
     const int64_t pi = (prow * p.num_heads + ri.head) * S + seg;
     float* wa = p.ws_acc + pi * hs + gcol0;
@@ -973,6 +1035,8 @@ struct AttnProgram {
   // per step (one 16-byte store when they are whole): the output, or the
   // partials when the keys are split into segments.
   __device__ __forceinline__ void write_output() const {
+    const AttnParams& p = this->p;
+    const int tid = this->tid, dvc = this->dvc, hs = this->hs, q_start = this->q_start;
     const int S = p.num_segments;
     constexpr int CH = DV / 8;
     for (int idx = tid; idx < BM * CH; idx += NT) {
@@ -997,9 +1061,12 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   if (!prog.locate()) return;
   prog.load_q();
   prog.init_tables();
-  prog.init_rows();
-  prog.key_loop();
-  prog.merge_warps();
+  using Prog = AttnProgram<T, C, CF>;
+  typename Prog::RowMax rsc, rsc_log2, m_run, l_run;
+  typename Prog::Acc acc;
+  prog.init_rows(rsc, rsc_log2, acc, m_run, l_run);
+  prog.key_loop(rsc, rsc_log2, acc, m_run, l_run);
+  prog.merge_warps(acc, m_run, l_run);
   prog.write_output();
 }
 
@@ -1125,6 +1192,7 @@ struct ScalarProgram {
   // The query row into the lanes' registers and an empty accumulator. A
   // query holding NaN or +-inf scores NaN against every key it sees.
   __device__ __forceinline__ void load_q() {
+    const int lane = this->lane, hs = this->hs;
     const float* q = static_cast<const float*>(p.q) + ((int64_t)token * p.num_heads + head) * hs;
     bool q_bad = false;
 #pragma unroll
@@ -1143,13 +1211,16 @@ struct ScalarProgram {
   // Every visible key of [k_lo, k_hi), one at a time: its score (scale,
   // softcap, ALiBi, qq_bias), then the online softmax update of m, l and acc.
   __device__ __forceinline__ void attend() {
+    const int lane = this->lane, hs = this->hs, head = this->head, kv_head = this->kv_head, seq = this->seq;
+    const int q_rel = this->q_rel, q_abs = this->q_abs, context_len = this->context_len, window = this->window;
+    const int nr = this->nr, k_lo = this->k_lo, k_hi = this->k_hi;
+    const uint32_t* ranges = this->ranges;
     const C* kc = static_cast<const C*>(p.k_cache);
     const C* vc = static_cast<const C*>(p.v_cache);
     const uint32_t* table = p.block_tables + (size_t)seq * p.block_table_width;
     const int64_t kv_row = (int64_t)p.num_kv_heads * hs;
     const float slope = p.alibi_slopes ? p.alibi_slopes[head] : 0.f;
-    m = neg_inf();
-    l = 0.f;
+    float m = neg_inf(), l = 0.f;
     for (int key = k_lo; key < k_hi; ++key) {
       if (!key_visible(q_abs, key, window, ranges, nr)) continue;
       const int64_t off = (int64_t)table[key / p.block_size] * p.block_stride +
@@ -1178,10 +1249,15 @@ struct ScalarProgram {
       }
       m = m_new;
     }
+    this->m = m;
+    this->l = l;
   }
 
   // The head's sink, the normalisation and the row's output columns.
   __device__ __forceinline__ void write_output() {
+    const int lane = this->lane, hs = this->hs, head = this->head, token = this->token;
+    const float m = this->m;
+    float l = this->l;
     float f = 1.f;
     if (p.sinks != nullptr) {
       const float s2 = p.sinks[head] * LOG2E;
