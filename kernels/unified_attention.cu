@@ -714,22 +714,21 @@ struct AttnProgram {
     }
   }
 
-  // The warp's raw scores of tile t to log2-unit logits: scale, softcap,
+  // The warp's raw scores of its keys warp_key0 .. + KW to log2-unit logits: scale, softcap,
   // mask, ALiBi, qq_bias; tmax gets each fragment row's maximum over the
   // quad. A warp whose keys every row of the program sees, with no extra
   // terms, only scales (rows past the program's valid rows are never
   // written). Masked keys are selected to -inf, never computed from data.
-  __device__ __forceinline__ void score(int t, Scores& s, RowMax& tmax, const RowMax& rsc, const RowMax& rsc_log2) const {
+  __device__ __forceinline__ void score(int warp_key0, Scores& s, RowMax& tmax, const RowMax& rsc,
+                                        const RowMax& rsc_log2) const {
     const AttnParams& p = this->p;
-    const int k_lo = this->k_lo, k_hi = this->k_hi, wn = this->wn, q_first = this->q_first, q_last = this->q_last;
+    const int k_hi = this->k_hi, q_first = this->q_first, q_last = this->q_last;
     const int window = this->window, nr = this->nr, context_len = this->context_len, wrow0 = this->wrow0;
     const int g = this->g, c4 = this->c4;
     const bool plain = this->plain;
     const float cap = this->cap;
     const float* qq = this->qq;
     const uint32_t* ranges = this->ranges;
-    const int tile_start = k_lo + t * BN;
-    const int warp_key0 = tile_start + wn * KW;
     const bool full = plain && warp_key0 + KW - 1 <= q_first && warp_key0 + KW <= k_hi &&
                       (window == 0 || q_last - warp_key0 < window);
 #pragma unroll
@@ -865,7 +864,7 @@ struct AttnProgram {
   // accumulate tile t.
   __device__ __forceinline__ void key_loop(RowMax& rsc, RowMax& rsc_log2, Acc& acc, RowMax& m_run, RowMax& l_run) {
     uint32_t next_blk = 0;  // block id of the key this thread handles next (read a tile ahead)
-    const int t_begin = this->t_begin, t_end = this->t_end;
+    const int t_begin = this->t_begin, t_end = this->t_end, k_lo = this->k_lo, wn = this->wn;
     const bool warp_rows = this->warp_rows;
     prologue(next_blk);
     for (int t = t_begin; t < t_end; ++t) {
@@ -889,10 +888,12 @@ struct AttnProgram {
       if constexpr (!FP8) {
         if (t == t_begin) check_q_rows(rsc, rsc_log2);
       }
+      const int tile_start = k_lo + t * BN;
+      const int warp_key0 = tile_start + wn * KW;
       Scores s;
       qk(tK, s);
       RowMax tmax;
-      score(t, s, tmax, rsc, rsc_log2);
+      score(warp_key0, s, tmax, rsc, rsc_log2);
       if (!tile_seen(tmax)) continue;
       softmax_update(s, tmax, acc, m_run, l_run);
       pv(s, tV, acc);
@@ -1055,6 +1056,9 @@ struct AttnProgram {
   }
 };
 
+// One tensor-core program: its rows and keys, Q staged, its segment's key
+// tiles streamed and accumulated, its warps merged, the output (or the
+// split-KV partials) written.
 template <typename T, typename C, class CF>
 __device__ __forceinline__ void attention_body(const AttnParams& p) {
   AttnProgram<T, C, CF> prog(p);
@@ -1062,6 +1066,8 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   prog.load_q();
   prog.init_tables();
   using Prog = AttnProgram<T, C, CF>;
+  // This thread's fragment rows: score scales, running maxima and sums, and
+  // its WR x DV accumulator fragments.
   typename Prog::RowMax rsc, rsc_log2, m_run, l_run;
   typename Prog::Acc acc;
   prog.init_rows(rsc, rsc_log2, acc, m_run, l_run);
