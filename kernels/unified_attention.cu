@@ -314,6 +314,9 @@ struct AttnProgram {
   // Whether some row of the program sees `key`. A key no row sees is
   // zero-filled instead of loaded: its page may hold garbage.
   __device__ __forceinline__ bool key_live(int key) const {
+    const int k_hi = this->k_hi, c_lo = this->c_lo, c_hi = this->c_hi, nr = this->nr;
+    const int q_first = this->q_first, q_last = this->q_last;
+    const uint32_t* ranges = this->ranges;
     if (key >= k_hi) return false;
     if (key >= c_lo && key < c_hi) return true;
     for (int r = 0; r < nr; ++r) {
