@@ -20,6 +20,41 @@
 // * `unified_attention_scalar_f32[_fp8]`: the f32 path, one warp per
 //   (query row, query head), one key at a time.
 //
+// Program structure. `attention_body` runs the phases of `AttnProgram` in
+// order; every member is inlined, so the program's state lives in registers:
+// * locate: the program's sequence, its query block (BLOCK_Q = BM / GE query
+//   rows x GE heads of one KV group, packed as rows of the MMA M dimension),
+//   the keys [k_lo, k_hi) its rows see (causal / window span plus the prefix
+//   ranges that meet it) and its segment's tiles [t_begin, t_end) of BN keys.
+// * load_q: the BM x HEAD packed query tile into sQ. fp8 caches scale and
+//   convert it with plain stores behind four block barriers; 16-bit caches
+//   copy it with cp.async into the first tile's group.
+// * init_tables / init_rows: cache pointers and block size; whether the warp
+//   holds a real row, the per-row score scales, empty accumulators.
+// * key_loop: the prologue writes the key offsets of the first STAGES tiles
+//   (threads tid < BN, one key each, from block-table entries read a tile
+//   ahead), one block barrier, then issues the first STAGES - 1 tiles as one
+//   cp.async group each. Iteration t waits until at most STAGES - 2 groups
+//   are pending (tile t has landed), then one block barrier: every warp is
+//   done with tile t - 1 and every offset of tile t + STAGES - 1 is written.
+//   It issues tile t + STAGES - 1 into tile t - 1's stage and commits a
+//   group (empty past the end, so the count stays regular), writes the
+//   offsets of tile t + STAGES into tile t's slot (its loads were issued
+//   before the barrier), and then each warp works on tile t: fp8 tiles are
+//   dequantised into the one converted tile (behind a warp barrier when each
+//   warp converts only its own keys, else a block barrier; the next
+//   iteration's barrier keeps it until every warp is done), the Q rows are
+//   checked for NaN / inf once (16-bit caches), then QK^T, the scores (scale,
+//   softcap, mask, ALiBi, qq_bias), the online softmax update and P.V on the
+//   warp's KW keys. After the loop every group is waited for.
+// * merge_warps: each warp's row maxima and sums to red_m / red_l, one block
+//   barrier, its rescaled accumulator to the merge buffer (over the tiles),
+//   one block barrier.
+// * write_output: each valid row's columns summed over the warps, then
+//   normalised with the sink (one segment) or stored as split-KV partials.
+// `reduce_body` and `ScalarProgram` (the f32 path) follow the same order:
+// locate, load, attend or merge, write.
+//
 // Semantics follow the CPU reference (src/cpu/paged_attention.rs): causal and
 // window mask, then bidirectional prefix ranges; scale * q.k, softcap, -inf
 // mask, ALiBi, qq_bias; sinks start the softmax with mass 1; masked keys are
@@ -118,87 +153,170 @@ struct RowInfo {
   float slope;
 };
 
+// One tensor-core attention program (see the top of the file for its roles
+// and synchronisation). The constructor carves shared memory and reads the
+// block indices; `locate` finds the program's rows and keys; the members
+// below are the phases `attention_body` runs in order. Everything is
+// inlined into the kernel, so the members are registers, as locals were.
+// The per-thread state the key loop updates (score scales, accumulator,
+// running maxima and sums, the next block id) stays in the caller's locals,
+// passed by reference. A member that writes through a pointer or reference
+// first copies the fields it reads into locals: members are optimised on
+// their own before they are inlined, where such a write might alias a field,
+// and field re-reads there change the code generated for the kernel.
 template <typename T, typename C, class CF>
-__device__ __forceinline__ void attention_body(const AttnParams& p) {
-  constexpr bool FP8 = IsFp8<C>::value;
-  constexpr int HEAD = CF::HEAD, DV = CF::DV, BM = CF::BM, BN = CF::BN, KW = CF::KW;
-  constexpr int NT = CF::NT, WARPS_N = CF::WARPS_N, MT = CF::MT, WR = CF::WR, STAGES = CF::STAGES;
-  constexpr int QS = CF::QS, KS = CF::KS, VS = CF::VS, CS = CF::CS;
+struct AttnProgram {
+  static constexpr bool FP8 = IsFp8<C>::value;
+  static constexpr int HEAD = CF::HEAD, DV = CF::DV, BM = CF::BM, BN = CF::BN, KW = CF::KW;
+  static constexpr int NT = CF::NT, WARPS_N = CF::WARPS_N, MT = CF::MT, WR = CF::WR, STAGES = CF::STAGES;
+  static constexpr int QS = CF::QS, KS = CF::KS, VS = CF::VS, CS = CF::CS;
   static_assert(STAGES >= 2, "the ring needs two stages");
   using SM = Smem<CF, FP8>;
   // The MMA element type. fp8 caches run f16 MMAs whatever the query dtype:
   // e4m3 converts to f16 in one instruction, and queries are scaled per row
   // by a power of two into f16's range (exact for bf16's 8-bit mantissa).
   using MM = typename std::conditional<FP8, __half, T>::type;
+  // One warp's scores of a tile: MT fragment tiles x KW / 8 key octets.
+  using Scores = float[MT][KW / 8][4];
+  using RowMax = float[MT][2];
+  // The per-thread accumulator: the warp's WR rows x DV columns as MT x
+  // DV / 8 m16n8 fragments.
+  using Acc = float[MT][DV / 8][4];
 
-  extern __shared__ __align__(16) unsigned char smem[];
-  MM* sQ = reinterpret_cast<MM*>(smem);
-  float* red_m = reinterpret_cast<float*>(smem + SM::Q_BYTES);
-  float* red_l = red_m + WARPS_N * BM;
-  int64_t* koff = reinterpret_cast<int64_t*>(smem + SM::Q_BYTES + SM::RED_BYTES);  // [STAGES][BN]
-  unsigned char* region = smem + SM::Q_BYTES + SM::RED_BYTES + SM::OFF_BYTES;
-  MM* sK = reinterpret_cast<MM*>(region);  // FP8: one converted tile; else STAGES stages
-  MM* sV = sK + (FP8 ? 1 : STAGES) * BN * KS;
-  uint8_t* stK = reinterpret_cast<uint8_t*>(sV + (FP8 ? 1 : STAGES) * BN * VS);  // FP8 staging ring
-  uint8_t* stV = stK + STAGES * BN * HEAD;
-  float* merge = reinterpret_cast<float*>(region);  // reused after the key loop
+  const AttnParams& p;
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
-  const int GE = p.group_entries;
-  const int BLOCK_Q = BM / GE;
-  const int group = p.num_heads / p.num_kv_heads;
-  const int kv_head = blockIdx.y / p.head_chunks;
-  const int hc = blockIdx.y % p.head_chunks;
-  const int seg = blockIdx.z % p.num_segments;
-  const int dvc = blockIdx.z / p.num_segments;
+  // ---- shared memory ----
+  MM* sQ;             // [BM][QS] packed query rows
+  float* red_m;       // [WARPS_N][BM] per-warp row maxima (the fp8 query scales before the key loop)
+  float* red_l;       // [WARPS_N][BM] per-warp row sums
+  int64_t* koff;      // [STAGES][BN] per-key cache byte offsets, -1 for a dead key
+  MM* sK;             // FP8: one converted tile; else the STAGES-stage ring
+  MM* sV;
+  uint8_t* stK;       // FP8 staging ring [STAGES][BN][HEAD]
+  uint8_t* stV;       // FP8 staging ring [STAGES][BN][DV]
+  float* merge;       // [WARPS_N][BM][CS], over the tiles after the key loop
+  float* row_qscale;  // fp8: 2^-k per packed row (in red_m)
 
-  // ---- which sequence and which of its query blocks this program owns ----
+  // ---- block indices ----
+  int tid, lane, warp, wm, wn;
+  int GE, BLOCK_Q, group, kv_head, hc, seg, dvc;
+
+  // ---- rows and keys (set by `locate`) ----
+  int seq, q_start, q_len, row0, seq_len, context_len, q_first, q_last, window;
+  int c_lo, c_hi;  // the causal / window span of keys the rows see
+  const uint32_t* ranges;
+  int nr;
+  int k_lo, k_hi;  // every key some row sees, ranges included
+  int t_begin, t_end;  // this segment's tiles of BN keys from k_lo
+  int hs;
+  bool vec;
+  int64_t kv_row;
+  const uint32_t* table;
+  const C* kc;
+  const C* vc;
+  int bs, bs_shift;
+  bool bs_pow2;
+
+  // ---- per-thread rows: fragment rows g and g + 8 of each of the warp's MT tiles ----
+  int g, c4, wrow0;
+  bool warp_rows;  // some row of the warp is a real (query row, head)
+  float cap;
+  const float* qq;
+  bool plain;  // no per-key terms besides the mask
+
+  __device__ __forceinline__ explicit AttnProgram(const AttnParams& params) : p(params) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    sQ = reinterpret_cast<MM*>(smem);
+    red_m = reinterpret_cast<float*>(smem + SM::Q_BYTES);
+    red_l = red_m + WARPS_N * BM;
+    koff = reinterpret_cast<int64_t*>(smem + SM::Q_BYTES + SM::RED_BYTES);
+    unsigned char* region = smem + SM::Q_BYTES + SM::RED_BYTES + SM::OFF_BYTES;
+    sK = reinterpret_cast<MM*>(region);
+    sV = sK + (FP8 ? 1 : STAGES) * BN * KS;
+    stK = reinterpret_cast<uint8_t*>(sV + (FP8 ? 1 : STAGES) * BN * VS);
+    stV = stK + STAGES * BN * HEAD;
+    merge = reinterpret_cast<float*>(region);
+
+    tid = threadIdx.x;
+    lane = tid & 31;
+    warp = tid >> 5;
+    wm = warp / WARPS_N;
+    wn = warp % WARPS_N;
+    GE = p.group_entries;
+    BLOCK_Q = BM / GE;
+    group = p.num_heads / p.num_kv_heads;
+    kv_head = blockIdx.y / p.head_chunks;
+    hc = blockIdx.y % p.head_chunks;
+    seg = blockIdx.z % p.num_segments;
+    dvc = blockIdx.z / p.num_segments;
+  }
+
+  // Which sequence and which of its query blocks this program owns, the keys
+  // its rows see and its segment's tiles; false when it has nothing to do.
   // Decode-shaped launches run one program per sequence (every span they
   // serve fits BLOCK_Q rows); others find their sequence by binary search
   // over the query blocks.
-  const int pid = blockIdx.x;
-  int seq = pid;
-  if (!p.seq_programs) {
-    int lo = 0, hi = p.num_seqs;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      const int v = (int)(p.cu_seqlens_q[mid] / (uint32_t)BLOCK_Q) + mid;
-      if (v <= pid) lo = mid + 1;
-      else hi = mid;
+  __device__ __forceinline__ bool locate() {
+    const int pid = blockIdx.x;
+    seq = pid;
+    if (!p.seq_programs) {
+      int lo = 0, hi = p.num_seqs;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        const int v = (int)(p.cu_seqlens_q[mid] / (uint32_t)BLOCK_Q) + mid;
+        if (v <= pid) lo = mid + 1;
+        else hi = mid;
+      }
+      seq = lo - 1;
     }
-    seq = lo - 1;
-  }
-  if (seq < 0 || seq >= p.num_seqs) return;
-  const int q_start = (int)p.cu_seqlens_q[seq];
-  const int q_len = (int)p.cu_seqlens_q[seq + 1] - q_start;
-  // A mixed batch runs as two launches, one per tile shape, each owning the
-  // sequences whose span fits it.
-  if (q_len < p.q_len_min || q_len > p.q_len_max) return;
-  const int row0 = p.seq_programs ? 0 : (pid - (q_start / BLOCK_Q + seq)) * BLOCK_Q;
-  if (row0 >= q_len) return;
-  const int seq_len = (int)p.seq_lens[seq];
-  const int context_len = seq_len - q_len;
-  const int q_first = context_len + row0;
-  const int q_last = context_len + min(row0 + BLOCK_Q, q_len) - 1;
-  const int window = p.sliding_window;
+    if (seq < 0 || seq >= p.num_seqs) return false;
+    q_start = (int)p.cu_seqlens_q[seq];
+    q_len = (int)p.cu_seqlens_q[seq + 1] - q_start;
+    // A mixed batch runs as two launches, one per tile shape, each owning the
+    // sequences whose span fits it.
+    if (q_len < p.q_len_min || q_len > p.q_len_max) return false;
+    row0 = p.seq_programs ? 0 : (pid - (q_start / BLOCK_Q + seq)) * BLOCK_Q;
+    if (row0 >= q_len) return false;
+    seq_len = (int)p.seq_lens[seq];
+    context_len = seq_len - q_len;
+    q_first = context_len + row0;
+    q_last = context_len + min(row0 + BLOCK_Q, q_len) - 1;
+    window = p.sliding_window;
 
-  // ---- the keys any row of this program sees: [k_lo, k_hi) ----
-  const int c_lo = window > 0 ? max(0, q_first - window + 1) : 0;
-  const int c_hi = q_last + 1;
-  const uint32_t* ranges = p.prefix_ranges ? p.prefix_ranges + (size_t)seq * p.max_ranges * 2 : nullptr;
-  const int nr = ranges ? p.max_ranges : 0;
-  int k_lo = c_lo, k_hi = c_hi;
-  for (int r = 0; r < nr; ++r) {
-    const int s = (int)ranges[2 * r], e = (int)ranges[2 * r + 1];
-    if (s < e && s <= q_last && q_first < e) {
-      k_lo = min(k_lo, s);
-      k_hi = max(k_hi, e);
+    // The keys any row of this program sees: [k_lo, k_hi).
+    c_lo = window > 0 ? max(0, q_first - window + 1) : 0;
+    c_hi = q_last + 1;
+    ranges = p.prefix_ranges ? p.prefix_ranges + (size_t)seq * p.max_ranges * 2 : nullptr;
+    nr = ranges ? p.max_ranges : 0;
+    k_lo = c_lo;
+    k_hi = c_hi;
+    for (int r = 0; r < nr; ++r) {
+      const int s = (int)ranges[2 * r], e = (int)ranges[2 * r + 1];
+      if (s < e && s <= q_last && q_first < e) {
+        k_lo = min(k_lo, s);
+        k_hi = max(k_hi, e);
+      }
     }
+    k_hi = min(k_hi, seq_len);
+
+    const int n_tiles = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
+    const int tiles_per_seg = (n_tiles + p.num_segments - 1) / p.num_segments;
+    t_begin = min(n_tiles, seg * tiles_per_seg);
+    t_end = min(n_tiles, t_begin + tiles_per_seg);
+
+    hs = p.head_size;
+    vec = p.vec_loads != 0;
+    kv_row = (int64_t)p.num_kv_heads * hs;
+    table = p.block_tables + (size_t)seq * p.block_table_width;
+    return true;
   }
-  k_hi = min(k_hi, seq_len);
-  // A key no row sees is zero-filled instead of loaded: its page may hold garbage.
-  auto key_live = [&](int key) -> bool {
+
+  // Whether some row of the program sees `key`. A key no row sees is
+  // zero-filled instead of loaded: its page may hold garbage.
+  __device__ __forceinline__ bool key_live(int key) const {
+    const int k_hi = this->k_hi, c_lo = this->c_lo, c_hi = this->c_hi, nr = this->nr;
+    const int q_first = this->q_first, q_last = this->q_last;
+    const uint32_t* ranges = this->ranges;
     if (key >= k_hi) return false;
     if (key >= c_lo && key < c_hi) return true;
     for (int r = 0; r < nr; ++r) {
@@ -206,14 +324,10 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       if (s < e && s <= q_last && q_first < e && s <= key && key < e) return true;
     }
     return false;
-  };
+  }
 
-  const int n_tiles = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
-  const int tiles_per_seg = (n_tiles + p.num_segments - 1) / p.num_segments;
-  const int t_begin = min(n_tiles, seg * tiles_per_seg);
-  const int t_end = min(n_tiles, t_begin + tiles_per_seg);
-
-  auto row_info = [&](int r) -> RowInfo {
+  // Packed row r: query row r / GE, head hc * GE + r % GE of the KV group.
+  __device__ __forceinline__ RowInfo row_info(int r) const {
     RowInfo ri;
     const int ql = r / GE, gh = hc * GE + r % GE;
     ri.valid = ql < BLOCK_Q && row0 + ql < q_len && gh < group;
@@ -222,40 +336,43 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     ri.head = kv_head * group + (gh < group ? gh : 0);
     ri.slope = (ri.valid && p.alibi_slopes) ? p.alibi_slopes[ri.head] : 0.f;
     return ri;
-  };
-
-  const int hs = p.head_size;
-  const bool vec = p.vec_loads != 0;
-  const int64_t kv_row = (int64_t)p.num_kv_heads * hs;
-  const uint32_t* table = p.block_tables + (size_t)seq * p.block_table_width;
+  }
 
   // ---- Q: BM packed rows x HEAD columns (zero past head_size / invalid rows) ----
+
+  // Eight query values of chunk c of q (packed row c / CPR, columns (c % CPR) * 8
+  // on) as f32, zero past head_size and on invalid rows; returns the row.
+  __device__ __forceinline__ int q_chunk(const T* q, int c, float (&v)[8]) const {
+    constexpr int CPR = HEAD / 8;
+    const int r = c / CPR, col = (c % CPR) * 8;
+    const RowInfo ri = row_info(r);
+    const int64_t src = ((int64_t)(q_start + ri.q_rel) * p.num_heads + ri.head) * hs + col;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = (ri.valid && col + e < hs) ? to_f32(q[src + e]) : 0.f;
+    return r;
+  }
+
   // fp8 caches: each row is scaled by 2^k, k chosen so that its largest
-  // magnitude lands in [2^14, 2^15), and converted to f16; `row_qscale`
-  // (in the red_m area until the key loop) keeps 2^-k for the scores, or NaN
-  // for a row holding NaN or +-inf, whose every score then is NaN. (Other
-  // caches check their Q rows on the first key tile.)
-  float* row_qscale = red_m;
-  if constexpr (FP8) {
+  // magnitude lands in [2^14, 2^15), and converted to f16 into sQ;
+  // `row_qscale` (in the red_m area until the key loop) keeps 2^-k for the
+  // scores, or NaN for a row holding NaN or +-inf, whose every score then is
+  // NaN. Four block barriers: the row maxima cleared, gathered, sQ written,
+  // the scales written.
+  __device__ __forceinline__ void load_q_scaled() {
+    const int tid = this->tid;
+    MM* sQ = this->sQ;
+    float* row_qscale = this->row_qscale;
     const T* q = static_cast<const T*>(p.q);
     constexpr int CPR = HEAD / 8;
-    int* row_max_bits = reinterpret_cast<int*>(red_m);
+    int* row_max_bits = reinterpret_cast<int*>(this->red_m);
     for (int r = tid; r < BM; r += NT) row_max_bits[r] = 0;
     __syncthreads();
-    auto q_chunk = [&](int c, float (&v)[8]) -> int {
-      const int r = c / CPR, col = (c % CPR) * 8;
-      const RowInfo ri = row_info(r);
-      const int64_t src = ((int64_t)(q_start + ri.q_rel) * p.num_heads + ri.head) * hs + col;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = (ri.valid && col + e < hs) ? to_f32(q[src + e]) : 0.f;
-      return r;
-    };
     // The largest |q| of each row as int bits: for non-negative floats the
     // integer order is the float order, with +inf above every finite value
     // and NaN above +inf, so a row holding NaN or inf ends non-finite.
     for (int c = tid; c < BM * CPR; c += NT) {
       float v[8];
-      const int r = q_chunk(c, v);
+      const int r = q_chunk(q, c, v);
       int mb = 0;
 #pragma unroll
       for (int e = 0; e < 8; ++e) mb = max(mb, __float_as_int(fabsf(v[e])));
@@ -264,7 +381,7 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     __syncthreads();
     for (int c = tid; c < BM * CPR; c += NT) {
       float v[8];
-      const int r = q_chunk(c, v);
+      const int r = q_chunk(q, c, v);
       const float m = __int_as_float(row_max_bits[r]);
       int ex = 0;
       frexpf(m, &ex);  // m < 2^ex
@@ -284,7 +401,16 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       row_qscale[r] = !isfinite(m) ? __int_as_float(0x7fc00000) : m > 0.f ? ldexpf(1.f, ex - 15) : 1.f;
     }
     __syncthreads();
-  } else {
+  }
+
+  // 16-bit caches: the query rows go to sQ as they are, by cp.async (into the
+  // first tile's group) when 16-byte loads are allowed. Their NaN / inf
+  // check waits for the first tile (`check_q_rows`).
+  __device__ __forceinline__ void load_q_direct() {
+    const AttnParams& p = this->p;
+    const int tid = this->tid, hs = this->hs, q_start = this->q_start;
+    const bool vec = this->vec;
+    MM* sQ = this->sQ;
     const T* q = static_cast<const T*>(p.q);
     constexpr int CPR = HEAD / 8;
     for (int c = tid; c < BM * CPR; c += NT) {
@@ -302,24 +428,37 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     }
   }
 
-  // ---- K/V tile loads: keys k_lo + t * BN .. + BN of this sequence ----
-  const C* kc = static_cast<const C*>(p.k_cache);
-  const C* vc = static_cast<const C*>(p.v_cache);
+  __device__ __forceinline__ void load_q() {
+    row_qscale = red_m;
+    if constexpr (FP8) load_q_scaled();
+    else load_q_direct();
+  }
+
+  // ---- K/V tiles: keys k_lo + t * BN .. + BN of this sequence ----
   // Per-key cache offsets of a tile (-1: dead key, zero-filled) go to the
   // tile's slot of `koff`, written one iteration before the tile's loads
   // read them. Threads tid < BN own one key each; the block id of the key
   // they handle next is read from the table one call ahead (`next_blk`), so
   // the table read's latency hides behind a whole tile.
   // Offsets are in bytes; block sizes that are powers of two use shifts.
-  const int bs = p.block_size;
-  const bool bs_pow2 = (bs & (bs - 1)) == 0;
-  const int bs_shift = __ffs(bs) - 1;
-  uint32_t next_blk = 0;
-  auto table_entry = [&](int t) -> uint32_t {
+
+  __device__ __forceinline__ void init_tables() {
+    kc = static_cast<const C*>(p.k_cache);
+    vc = static_cast<const C*>(p.v_cache);
+    bs = p.block_size;
+    bs_pow2 = (bs & (bs - 1)) == 0;
+    bs_shift = __ffs(bs) - 1;
+  }
+
+  // The block-table entry of this thread's key of tile t (0 past the segment / keys).
+  __device__ __forceinline__ uint32_t table_entry(int t) const {
     const int key = k_lo + t * BN + tid;
     return (tid < BN && t < t_end && key < k_hi) ? table[bs_pow2 ? key >> bs_shift : key / bs] : 0u;
-  };
-  auto tile_offsets = [&](int t, uint32_t blk) {
+  }
+
+  // This thread's key of tile t, in block `blk`: its byte offset (or -1)
+  // into the tile's koff slot.
+  __device__ __forceinline__ void tile_offsets(int t, uint32_t blk) {
     if (tid >= BN || t >= t_end) return;
     const int key = k_lo + t * BN + tid;
     const int in_blk = bs_pow2 ? key & (bs - 1) : key % bs;
@@ -327,13 +466,15 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
         key_live(key) ? ((int64_t)blk * p.block_stride + (int64_t)in_blk * kv_row + (int64_t)kv_head * hs) *
                             (int64_t)sizeof(C)
                       : (int64_t)-1;
-  };
+  }
+
   // Copies COLS columns starting at col0 of each key row into dst (row
   // stride dst_stride elements of C), zero-filling dead keys and columns.
   // With 16-byte loads each thread owns one column chunk and every
   // (NT / CPR)-th row, so its addresses are a base plus the row's offset.
-  auto load_rows = [&](const C* cache, const int64_t* offs, int col0, auto cols_tag, C* dst, int dst_stride) {
-    constexpr int COLS = decltype(cols_tag)::value;
+  template <int COLS>
+  __device__ __forceinline__ void load_rows(const C* cache, const int64_t* offs, int col0, IntC<COLS>, C* dst,
+                                            int dst_stride) {
     constexpr int EPC = 16 / (int)sizeof(C);  // elements per 16-byte chunk
     constexpr int CPR = COLS / EPC;
     const char* base = reinterpret_cast<const char*>(cache);
@@ -369,10 +510,11 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
         }
       }
     }
-  };
+  }
+
   // K and V rows of one tile with 16-byte loads, one offset read per row
   // for both (16-bit caches whose values span the whole head).
-  auto load_kv_rows = [&](const int64_t* offs, C* dk, C* dv) {
+  __device__ __forceinline__ void load_kv_rows(const int64_t* offs, C* dk, C* dv) {
     constexpr int EPC = 16 / (int)sizeof(C);
     constexpr int CPR = HEAD / EPC;
     static_assert(NT % CPR == 0 && BN % (NT / CPR) == 0, "a pass covers whole rows");
@@ -391,93 +533,108 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       cp_async_16(k_dst + i * RSTEP * KS, ok ? kb + ko : kb, ok);
       cp_async_16(v_dst + i * RSTEP * VS, ok ? vb + ko : vb, ok);
     }
-  };
-  using HeadCols = IntC<HEAD>;
-  using ValCols = IntC<DV>;
-  // Tile t goes to ring stage (t - t_begin) % STAGES, its offsets' slot.
-  auto load_tile = [&](int t) {
+  }
+
+  // Issues the loads of tile t into ring stage (t - t_begin) % STAGES, the
+  // stage of its offsets' slot (fp8: the staging ring; else sK / sV).
+  __device__ __forceinline__ void load_tile(int t) {
+    const int64_t* koff = this->koff;
+    const C* kc = this->kc;
+    const C* vc = this->vc;
+    uint8_t* stK = this->stK;
+    uint8_t* stV = this->stV;
+    MM* sK = this->sK;
+    MM* sV = this->sV;
+    const int t_begin = this->t_begin, dvc = this->dvc;
+    const bool vec = this->vec;
     const int stage = (t - t_begin) % STAGES;
     const int64_t* offs = koff + stage * BN;
     if constexpr (FP8) {
-      load_rows(kc, offs, 0, HeadCols{}, reinterpret_cast<C*>(stK + stage * BN * HEAD), HEAD);
-      load_rows(vc, offs, dvc * DV, ValCols{}, reinterpret_cast<C*>(stV + stage * BN * DV), DV);
+      load_rows(kc, offs, 0, IntC<HEAD>{}, reinterpret_cast<C*>(stK + stage * BN * HEAD), HEAD);
+      load_rows(vc, offs, dvc * DV, IntC<DV>{}, reinterpret_cast<C*>(stV + stage * BN * DV), DV);
     } else {
       C* dk = reinterpret_cast<C*>(sK + stage * BN * KS);
       C* dv = reinterpret_cast<C*>(sV + stage * BN * VS);
       if (HEAD == DV && vec) {
         load_kv_rows(offs, dk, dv);
       } else {
-        load_rows(kc, offs, 0, HeadCols{}, dk, KS);
-        load_rows(vc, offs, dvc * DV, ValCols{}, dv, VS);
+        load_rows(kc, offs, 0, IntC<HEAD>{}, dk, KS);
+        load_rows(vc, offs, dvc * DV, IntC<DV>{}, dv, VS);
       }
     }
-  };
+  }
 
-  // ---- per-thread rows: MMA fragment rows g and g + 8 of each of the warp's MT tiles ----
-  const int g = lane >> 2, c4 = lane & 3;
-  const int wrow0 = wm * WR;
-  bool any_row = false;
+  // ---- per-thread state ----
+
+  // Whether the warp has a real row, the score scales of this thread's
+  // fragment rows (the query's f16 scaling folded in), and empty
+  // accumulators. The per-thread state (scales, accumulator, running maxima
+  // and sums) stays in the caller's registers and is passed by reference.
+  __device__ __forceinline__ void init_rows(RowMax& rsc, RowMax& rsc_log2, Acc& acc, RowMax& m_run, RowMax& l_run) {
+    const AttnParams& p = this->p;
+    const float* row_qscale = this->row_qscale;
+    const int g = lane >> 2, wrow0 = wm * WR;
+    this->g = g;
+    c4 = lane & 3;
+    this->wrow0 = wrow0;
+    bool any_row = false;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-    any_row = any_row || row_info(wrow0 + mt * 16 + g).valid || row_info(wrow0 + mt * 16 + g + 8).valid;
-  const bool warp_rows = __any_sync(0xffffffffu, any_row);
-  const float cap = p.softcap;
-  // Score scale per fragment row (the query's f16 scaling folded in).
-  float rsc[MT][2], rsc_log2[MT][2];
+    for (int mt = 0; mt < MT; ++mt)
+      any_row = any_row || row_info(wrow0 + mt * 16 + g).valid || row_info(wrow0 + mt * 16 + g + 8).valid;
+    warp_rows = __any_sync(0xffffffffu, any_row);
+    const float cap = p.softcap;
+    this->cap = cap;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float qs = FP8 ? row_qscale[wrow0 + mt * 16 + g + 8 * i] : 1.f;
-      rsc[mt][i] = p.scale * qs;
-      rsc_log2[mt][i] = p.scale * LOG2E * qs;
+      for (int i = 0; i < 2; ++i) {
+        const float qs = FP8 ? row_qscale[wrow0 + mt * 16 + g + 8 * i] : 1.f;
+        rsc[mt][i] = p.scale * qs;
+        rsc_log2[mt][i] = p.scale * LOG2E * qs;
+      }
+    }
+    qq = p.qq_bias;
+    plain = nr == 0 && cap <= 0.f && p.qq_bias == nullptr && p.alibi_slopes == nullptr;
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int i = 0; i < DV / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
+      m_run[mt][0] = m_run[mt][1] = neg_inf();
+      l_run[mt][0] = l_run[mt][1] = 0.f;
     }
   }
-  const float* qq = p.qq_bias;
-  // No per-key terms besides the mask: full tiles only need scaling.
-  const bool plain = nr == 0 && cap <= 0.f && qq == nullptr && p.alibi_slopes == nullptr;
 
-  float acc[MT][DV / 8][4];
-  float m_run[MT][2], l_run[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int i = 0; i < DV / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
-    m_run[mt][0] = m_run[mt][1] = neg_inf();
-    l_run[mt][0] = l_run[mt][1] = 0.f;
-  }
 
-  // ---- prologue: offsets of the first STAGES tiles, loads of the first STAGES - 1 ----
-#pragma unroll
-  for (int s = 0; s < STAGES; ++s) tile_offsets(t_begin + s, table_entry(t_begin + s));
-  next_blk = table_entry(t_begin + STAGES);
-  __syncthreads();
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (t_begin + s < t_end) load_tile(t_begin + s);
-    cp_async_commit();  // Q rides in the first group
-  }
+  // ---- the key loop ----
 
-  for (int t = t_begin; t < t_end; ++t) {
-    const int stage = (t - t_begin) % STAGES;
-    // Tile t has landed once at most STAGES - 2 younger groups are pending.
-    cp_async_wait<STAGES - 2>();
+  // Offsets of the first STAGES tiles, then the loads of the first
+  // STAGES - 1, one cp.async group each (Q rides in the first group).
+  __device__ __forceinline__ void prologue(uint32_t& next_blk) {
+    const int t_begin = this->t_begin, t_end = this->t_end;
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) tile_offsets(t_begin + s, table_entry(t_begin + s));
+    next_blk = table_entry(t_begin + STAGES);
     __syncthreads();
-    // Every warp is done with tile t - 1: its stage takes tile t + STAGES - 1,
-    // whose offsets were written before the barrier; tile t's offset slot
-    // (read by loads issued earlier) takes tile t + STAGES.
-    if (t + STAGES - 1 < t_end) load_tile(t + STAGES - 1);
-    cp_async_commit();
-    tile_offsets(t + STAGES, next_blk);
-    next_blk = table_entry(t + STAGES + 1);
-    const MM* tK;
-    const MM* tV;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (t_begin + s < t_end) load_tile(t_begin + s);
+      cp_async_commit();  // Q rides in the first group
+    }
+  }
+
+  // The K / V tile the MMAs read for ring stage `stage`. fp8: dequantises
+  // the staged tile into the one converted tile, four values per step
+  // (exact: every e4m3 value is a f16 and a bf16 value). With one row of
+  // warps each warp reads only its own KW keys, so it converts just those
+  // and no block barrier is needed.
+  __device__ __forceinline__ void stage_tile(int stage, const MM*& tK, const MM*& tV) {
+    MM* sK = this->sK;
+    MM* sV = this->sV;
     if constexpr (FP8) {
-      // Dequantise the staged fp8 tile into the T tile, four values per step
-      // (exact: every e4m3 value is a f16 and a bf16 value).
-      // With one row of warps each warp reads only its own KW keys, so it
-      // converts just those and no block barrier is needed.
       constexpr bool OWN = CF::WARPS_M == 1 && WARPS_N > 1;
+      const uint8_t* stK = this->stK;
+      const uint8_t* stV = this->stV;
       const int k0 = OWN ? wn * KW : 0;
       constexpr int NK = OWN ? KW : BN;
       const int t0 = OWN ? lane : tid;
@@ -502,39 +659,39 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       tK = sK + stage * BN * KS;
       tV = sV + stage * BN * VS;
     }
-    // Warps whose rows are all padding (a decode row in a prefill-shaped
-    // program, say) skip the tile.
-    if (!warp_rows) continue;
-    if constexpr (!FP8) {
-      // Once, when Q has landed with the first tile: each lane checks a
-      // quarter of its fragment rows g and g + 8 (the quad shares the rest),
-      // and a row holding NaN or +-inf gets a NaN score scale, so that every
-      // score it makes, and so the row, is NaN.
-      if (t == t_begin) {
+  }
+
+  // 16-bit caches, once, when Q has landed with the first tile: each lane
+  // checks a quarter of its fragment rows g and g + 8 (the quad shares the
+  // rest), and a row holding NaN or +-inf gets a NaN score scale, so that
+  // every score it makes, and so the row, is NaN.
+  __device__ __forceinline__ void check_q_rows(RowMax& rsc, RowMax& rsc_log2) const {
+    const MM* sQ = this->sQ;
+    const int wrow0 = this->wrow0, g = this->g, c4 = this->c4;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const MM* row = sQ + (wrow0 + mt * 16 + g + 8 * i) * QS;
-            int bad = 0;
+      for (int i = 0; i < 2; ++i) {
+        const MM* row = sQ + (wrow0 + mt * 16 + g + 8 * i) * QS;
+        int bad = 0;
 #pragma unroll
-            for (int cc = c4; cc < HEAD / 8; cc += 4)
-              bad |= any_nonfinite8<MM>(*reinterpret_cast<const uint4*>(row + cc * 8));
-            bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
-            bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
-            if (bad) {
-              rsc[mt][i] = __int_as_float(0x7fc00000);
-              rsc_log2[mt][i] = __int_as_float(0x7fc00000);
-            }
-          }
+        for (int cc = c4; cc < HEAD / 8; cc += 4)
+          bad |= any_nonfinite8<MM>(*reinterpret_cast<const uint4*>(row + cc * 8));
+        bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+        if (bad) {
+          rsc[mt][i] = __int_as_float(0x7fc00000);
+          rsc_log2[mt][i] = __int_as_float(0x7fc00000);
         }
       }
     }
-    const int tile_start = k_lo + t * BN;
-    const int warp_key0 = tile_start + wn * KW;
+  }
 
-    // S = Q K^T for this warp's WR rows x KW keys; each K fragment feeds MT MMAs.
-    float s[MT][KW / 8][4];
+  // S = Q K^T for this warp's WR rows x KW keys of the tile in tK; each K
+  // fragment feeds MT MMAs.
+  __device__ __forceinline__ void qk(const MM* tK, Scores& s) const {
+    const MM* sQ = this->sQ;
+    const int wrow0 = this->wrow0, lane = this->lane, hs = this->hs, wn = this->wn;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -558,11 +715,23 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
         }
       }
     }
+  }
 
-    // Scores: scale, softcap, mask, ALiBi, qq_bias; then log2 units. A warp
-    // whose keys every row of the program sees, with no extra terms, only
-    // scales (rows past the program's valid rows are never written).
-    float tmax[MT][2];
+  // The warp's raw scores of its keys warp_key0 .. + KW to log2-unit logits: scale, softcap,
+  // mask, ALiBi, qq_bias; tmax gets each fragment row's maximum over the
+  // quad. A warp whose keys every row of the program sees, with no extra
+  // terms, only scales (rows past the program's valid rows are never
+  // written). Masked keys are selected to -inf, never computed from data.
+  __device__ __forceinline__ void score(int warp_key0, Scores& s, RowMax& tmax, const RowMax& rsc,
+                                        const RowMax& rsc_log2) const {
+    const AttnParams& p = this->p;
+    const int k_hi = this->k_hi, q_first = this->q_first, q_last = this->q_last;
+    const int window = this->window, nr = this->nr, context_len = this->context_len, wrow0 = this->wrow0;
+    const int g = this->g, c4 = this->c4;
+    const bool plain = this->plain;
+    const float cap = this->cap;
+    const float* qq = this->qq;
+    const uint32_t* ranges = this->ranges;
     const bool full = plain && warp_key0 + KW - 1 <= q_first && warp_key0 + KW <= k_hi &&
                       (window == 0 || q_last - warp_key0 < window);
 #pragma unroll
@@ -610,11 +779,22 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       tmax[mt][0] = quad_max(tmax[mt][0]);
       tmax[mt][1] = quad_max(tmax[mt][1]);
     }
-    // A warp with nothing visible in this tile skips the P.V product.
+  }
+
+  // Whether some row of the warp sees a key of the tile (else the warp skips
+  // the softmax update and the P.V product).
+  __device__ __forceinline__ bool tile_seen(const RowMax& tmax) const {
     bool seen = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) seen = seen || tmax[mt][0] != neg_inf() || tmax[mt][1] != neg_inf();
-    if (!__any_sync(0xffffffffu, seen)) continue;
+    return __any_sync(0xffffffffu, seen);
+  }
+
+  // Online softmax over the tile: moves each row's running maximum, rescales
+  // its sum (and its accumulator, when the maximum moved for some row of the
+  // warp) and turns the logits in s into probabilities added to the sum.
+  __device__ __forceinline__ void softmax_update(Scores& s, const RowMax& tmax, Acc& acc, RowMax& m_run,
+                                                 RowMax& l_run) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float alpha[2], m_use[2];
@@ -648,8 +828,13 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
         }
       }
     }
-    // O += P V: P from the score registers, V^T fragments via ldmatrix.trans,
-    // each V fragment feeding MT MMAs.
+  }
+
+  // O += P V over the warp's KW keys of the tile in tV: P from the score
+  // registers, V^T fragments via ldmatrix.trans, each V fragment feeding MT
+  // MMAs.
+  __device__ __forceinline__ void pv(const Scores& s, const MM* tV, Acc& acc) const {
+    const int wn = this->wn, lane = this->lane, dvc = this->dvc, hs = this->hs;
 #pragma unroll
     for (int j = 0; j < KW / 16; ++j) {
       uint32_t a[MT][4];
@@ -674,64 +859,113 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       }
     }
   }
-  cp_async_wait<0>();
 
-  // ---- merge the warps that split the keys, then write ----
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    l_run[mt][0] = quad_sum(l_run[mt][0]);
-    l_run[mt][1] = quad_sum(l_run[mt][1]);
-    // A NaN probability left the sum NaN: make the row's maximum NaN too
-    // (it may be +inf, from a NaN score on an edge tile), so that the merge
-    // propagates it whatever the other warps hold.
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      if (l_run[mt][i] != l_run[mt][i]) m_run[mt][i] = __int_as_float(0x7fc00000);
-    if (c4 == 0) {
-      const int r = wrow0 + mt * 16 + g;
-      red_m[wn * BM + r] = m_run[mt][0];
-      red_l[wn * BM + r] = l_run[mt][0];
-      red_m[wn * BM + r + 8] = m_run[mt][1];
-      red_l[wn * BM + r + 8] = l_run[mt][1];
+  // The segment's tiles t_begin .. t_end through the ring: wait for tile t,
+  // one block barrier, refill the stage tile t - 1 freed with tile
+  // t + STAGES - 1 (one cp.async group per iteration, empty past the end),
+  // write the offsets of tile t + STAGES into tile t's slot, then score and
+  // accumulate tile t.
+  __device__ __forceinline__ void key_loop(RowMax& rsc, RowMax& rsc_log2, Acc& acc, RowMax& m_run, RowMax& l_run) {
+    uint32_t next_blk = 0;  // block id of the key this thread handles next (read a tile ahead)
+    const int t_begin = this->t_begin, t_end = this->t_end, k_lo = this->k_lo, wn = this->wn;
+    const bool warp_rows = this->warp_rows;
+    prologue(next_blk);
+    for (int t = t_begin; t < t_end; ++t) {
+      const int stage = (t - t_begin) % STAGES;
+      // Tile t has landed once at most STAGES - 2 younger groups are pending.
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      // Every warp is done with tile t - 1: its stage takes tile t + STAGES - 1,
+      // whose offsets were written before the barrier; tile t's offset slot
+      // (read by loads issued earlier) takes tile t + STAGES.
+      if (t + STAGES - 1 < t_end) load_tile(t + STAGES - 1);
+      cp_async_commit();
+      tile_offsets(t + STAGES, next_blk);
+      next_blk = table_entry(t + STAGES + 1);
+      const MM* tK;
+      const MM* tV;
+      stage_tile(stage, tK, tV);
+      // Warps whose rows are all padding (a decode row in a prefill-shaped
+      // program, say) skip the tile.
+      if (!warp_rows) continue;
+      if constexpr (!FP8) {
+        if (t == t_begin) check_q_rows(rsc, rsc_log2);
+      }
+      const int tile_start = k_lo + t * BN;
+      const int warp_key0 = tile_start + wn * KW;
+      Scores s;
+      qk(tK, s);
+      RowMax tmax;
+      score(warp_key0, s, tmax, rsc, rsc_log2);
+      if (!tile_seen(tmax)) continue;
+      softmax_update(s, tmax, acc, m_run, l_run);
+      pv(s, tV, acc);
     }
+    cp_async_wait<0>();
   }
-  __syncthreads();
+
+  // ---- epilogue ----
+
+  // Merges the warps that split the keys: each warp's row maxima and sums
+  // to red_m / red_l, then its accumulator rescaled to the common maximum
+  // into its slice of the merge buffer (over the tiles). Two block barriers.
+  __device__ __forceinline__ void merge_warps(const Acc& acc, RowMax& m_run, RowMax& l_run) const {
+    float* red_m = this->red_m;
+    float* red_l = this->red_l;
+    float* merge = this->merge;
+    const int wrow0 = this->wrow0, g = this->g, c4 = this->c4, wn = this->wn;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
+      l_run[mt][0] = quad_sum(l_run[mt][0]);
+      l_run[mt][1] = quad_sum(l_run[mt][1]);
+      // A NaN probability left the sum NaN: make the row's maximum NaN too
+      // (it may be +inf, from a NaN score on an edge tile), so that the merge
+      // propagates it whatever the other warps hold.
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = wrow0 + mt * 16 + g + 8 * i;
-      float M = neg_inf();
-#pragma unroll
-      for (int w = 0; w < WARPS_N; ++w) M = max_nan(M, red_m[w * BM + r]);
-      // A warp that saw no key of this row contributes an exact 0 (selected,
-      // not multiplied: its accumulator may have met NaN values that only
-      // other rows see).
-      const bool none = m_run[mt][i] == neg_inf();
-      const float f = none ? 0.f : exp2f(m_run[mt][i] - M);
-#pragma unroll
-      for (int n = 0; n < DV / 8; ++n) {
-        float2 v = none ? make_float2(0.f, 0.f) : make_float2(acc[mt][n][2 * i] * f, acc[mt][n][2 * i + 1] * f);
-        *reinterpret_cast<float2*>(merge + (wn * BM + r) * CS + n * 8 + 2 * c4) = v;
+      for (int i = 0; i < 2; ++i)
+        if (l_run[mt][i] != l_run[mt][i]) m_run[mt][i] = __int_as_float(0x7fc00000);
+      if (c4 == 0) {
+        const int r = wrow0 + mt * 16 + g;
+        red_m[wn * BM + r] = m_run[mt][0];
+        red_l[wn * BM + r] = l_run[mt][0];
+        red_m[wn * BM + r + 8] = m_run[mt][1];
+        red_l[wn * BM + r + 8] = l_run[mt][1];
       }
     }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = wrow0 + mt * 16 + g + 8 * i;
+        float M = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS_N; ++w) M = max_nan(M, red_m[w * BM + r]);
+        // A warp that saw no key of this row contributes an exact 0 (selected,
+        // not multiplied: its accumulator may have met NaN values that only
+        // other rows see).
+        const bool none = m_run[mt][i] == neg_inf();
+        const float f = none ? 0.f : exp2f(m_run[mt][i] - M);
+#pragma unroll
+        for (int n = 0; n < DV / 8; ++n) {
+          float2 v = none ? make_float2(0.f, 0.f) : make_float2(acc[mt][n][2 * i] * f, acc[mt][n][2 * i + 1] * f);
+          *reinterpret_cast<float2*>(merge + (wn * BM + r) * CS + n * 8 + 2 * c4) = v;
+        }
+      }
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
-  // Eight output columns per step: one 16-byte store when they are whole.
-  const int S = p.num_segments;
-  constexpr int CH = DV / 8;
-  for (int idx = tid; idx < BM * CH; idx += NT) {
-    const int r = idx / CH, d0 = (idx % CH) * 8;
-    const int gcol0 = dvc * DV + d0;
-    if (gcol0 >= hs) continue;
-    const RowInfo ri = row_info(r);
-    if (!ri.valid) continue;
-    const int ncols = min(8, hs - gcol0);
-    float M = neg_inf();
+  // Packed row r, columns d0 .. d0 + 8 of the merge buffer summed over the
+  // warps into o, with the row's maximum M and sum L.
+  __device__ __forceinline__ void merged_row(int r, int d0, float& M, float& L, float (&o)[8]) const {
+    const float* red_m = this->red_m;
+    const float* red_l = this->red_l;
+    const float* merge = this->merge;
+    M = neg_inf();
 #pragma unroll
     for (int w = 0; w < WARPS_N; ++w) M = max_nan(M, red_m[w * BM + r]);
-    float L = 0.f, o[8];
+    L = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = 0.f;
 #pragma unroll
@@ -743,69 +977,130 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
       o[0] += x0.x; o[1] += x0.y; o[2] += x0.z; o[3] += x0.w;
       o[4] += x1.x; o[5] += x1.y; o[6] += x1.z; o[7] += x1.w;
     }
-    const int64_t token = q_start + ri.q_rel;
-    if (S == 1) {
-      float f = 1.f;
-      if (p.sinks != nullptr) {
-        const float s2 = p.sinks[ri.head] * LOG2E;
-        const float Mn = max_nan(M, s2);
-        f = M == neg_inf() ? 0.f : exp2f(M - Mn);
-        L = L * f + sink_mass(s2, Mn);
-      }
-      // L is 0 only for a row that saw no key and has no sink mass (its o
-      // is an exact 0); else >= 1, or NaN, which k carries into the row.
-      const float k = L == 0.f ? 0.f : f / L * p.v_scale;
-      const int64_t oi = (token * p.num_heads + ri.head) * hs + gcol0;
-      if (p.out_fp8) {
-        fp8_t* out = static_cast<fp8_t*>(p.out) + oi;
-        for (int e = 0; e < ncols; ++e) out[e] = from_f32<fp8_t>(o[e] * k * p.out_inv_scale);
-      } else if (ncols == 8 && vec) {
-        uint4 w;
-        w.x = pack2<T>(o[0] * k, o[1] * k);
-        w.y = pack2<T>(o[2] * k, o[3] * k);
-        w.z = pack2<T>(o[4] * k, o[5] * k);
-        w.w = pack2<T>(o[6] * k, o[7] * k);
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + oi) = w;
-      } else {
-        T* out = static_cast<T*>(p.out) + oi;
-        for (int e = 0; e < ncols; ++e) out[e] = from_f32<T>(o[e] * k);
-      }
+  }
+
+  // One segment: ncols output columns from gcol0 of (token, head),
+  // normalised, with the head's sink.
+  __device__ __forceinline__ void store_output(int64_t token, int head, int gcol0, int ncols, float M, float L,
+                                               const float (&o)[8]) const {
+    const AttnParams& p = this->p;
+    const int hs = this->hs;
+    const bool vec = this->vec;
+    float f = 1.f;
+    if (p.sinks != nullptr) {
+      const float s2 = p.sinks[head] * LOG2E;
+      const float Mn = max_nan(M, s2);
+      f = M == neg_inf() ? 0.f : exp2f(M - Mn);
+      L = L * f + sink_mass(s2, Mn);
+    }
+    // L is 0 only for a row that saw no key and has no sink mass (its o
+    // is an exact 0); else >= 1, or NaN, which k carries into the row.
+    const float k = L == 0.f ? 0.f : f / L * p.v_scale;
+    const int64_t oi = (token * p.num_heads + head) * hs + gcol0;
+    if (p.out_fp8) {
+      fp8_t* out = static_cast<fp8_t*>(p.out) + oi;
+      for (int e = 0; e < ncols; ++e) out[e] = from_f32<fp8_t>(o[e] * k * p.out_inv_scale);
+    } else if (ncols == 8 && vec) {
+      uint4 w;
+      w.x = pack2<T>(o[0] * k, o[1] * k);
+      w.y = pack2<T>(o[2] * k, o[3] * k);
+      w.z = pack2<T>(o[4] * k, o[5] * k);
+      w.w = pack2<T>(o[6] * k, o[7] * k);
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + oi) = w;
     } else {
-      const int64_t prow = p.ws_seq_rows > 0 ? (int64_t)seq * p.ws_seq_rows + ri.q_rel : token;
-      const int64_t pi = (prow * p.num_heads + ri.head) * S + seg;
-      float* wa = p.ws_acc + pi * hs + gcol0;
-      if (ncols == 8 && vec) {
-        reinterpret_cast<float4*>(wa)[0] = make_float4(o[0] * p.v_scale, o[1] * p.v_scale, o[2] * p.v_scale, o[3] * p.v_scale);
-        reinterpret_cast<float4*>(wa)[1] = make_float4(o[4] * p.v_scale, o[5] * p.v_scale, o[6] * p.v_scale, o[7] * p.v_scale);
-      } else {
-        for (int e = 0; e < ncols; ++e) wa[e] = o[e] * p.v_scale;
-      }
-      if (gcol0 == 0) {
-        p.ws_ml[2 * pi] = M;
-        p.ws_ml[2 * pi + 1] = L;
-      }
+      T* out = static_cast<T*>(p.out) + oi;
+      for (int e = 0; e < ncols; ++e) out[e] = from_f32<T>(o[e] * k);
     }
   }
+
+  // Split KV: the segment's unnormalised columns (times v_scale) and, once
+  // per row, its (max, sum) to the workspace, for `reduce_segments_*`.
+  __device__ __forceinline__ void store_partial(const RowInfo& ri, int64_t token, int S, int gcol0, int ncols,
+                                                float M, float L, const float (&o)[8]) const {
+    const AttnParams& p = this->p;
+    const int hs = this->hs, seg = this->seg, seq = this->seq;
+    const bool vec = this->vec;
+    const int64_t prow = p.ws_seq_rows > 0 ? (int64_t)seq * p.ws_seq_rows + ri.q_rel : token;
+    const int64_t pi = (prow * p.num_heads + ri.head) * S + seg;
+    float* wa = p.ws_acc + pi * hs + gcol0;
+    if (ncols == 8 && vec) {
+      reinterpret_cast<float4*>(wa)[0] = make_float4(o[0] * p.v_scale, o[1] * p.v_scale, o[2] * p.v_scale, o[3] * p.v_scale);
+      reinterpret_cast<float4*>(wa)[1] = make_float4(o[4] * p.v_scale, o[5] * p.v_scale, o[6] * p.v_scale, o[7] * p.v_scale);
+    } else {
+      for (int e = 0; e < ncols; ++e) wa[e] = o[e] * p.v_scale;
+    }
+    if (gcol0 == 0) {
+      p.ws_ml[2 * pi] = M;
+      p.ws_ml[2 * pi + 1] = L;
+    }
+  }
+
+  // Every valid packed row's columns of this program's value chunk, eight
+  // per step (one 16-byte store when they are whole): the output, or the
+  // partials when the keys are split into segments.
+  __device__ __forceinline__ void write_output() const {
+    const AttnParams& p = this->p;
+    const int tid = this->tid, dvc = this->dvc, hs = this->hs, q_start = this->q_start;
+    const int S = p.num_segments;
+    constexpr int CH = DV / 8;
+    for (int idx = tid; idx < BM * CH; idx += NT) {
+      const int r = idx / CH, d0 = (idx % CH) * 8;
+      const int gcol0 = dvc * DV + d0;
+      if (gcol0 >= hs) continue;
+      const RowInfo ri = row_info(r);
+      if (!ri.valid) continue;
+      const int ncols = min(8, hs - gcol0);
+      float M, L, o[8];
+      merged_row(r, d0, M, L, o);
+      const int64_t token = q_start + ri.q_rel;
+      if (S == 1) store_output(token, ri.head, gcol0, ncols, M, L, o);
+      else store_partial(ri, token, S, gcol0, ncols, M, L, o);
+    }
+  }
+};
+
+// One tensor-core program: its rows and keys, Q staged, its segment's key
+// tiles streamed and accumulated, its warps merged, the output (or the
+// split-KV partials) written.
+template <typename T, typename C, class CF>
+__device__ __forceinline__ void attention_body(const AttnParams& p) {
+  AttnProgram<T, C, CF> prog(p);
+  if (!prog.locate()) return;
+  prog.load_q();
+  prog.init_tables();
+  using Prog = AttnProgram<T, C, CF>;
+  // This thread's fragment rows: score scales, running maxima and sums, and
+  // its WR x DV accumulator fragments.
+  typename Prog::RowMax rsc, rsc_log2, m_run, l_run;
+  typename Prog::Acc acc;
+  prog.init_rows(rsc, rsc_log2, acc, m_run, l_run);
+  prog.key_loop(rsc, rsc_log2, acc, m_run, l_run);
+  prog.merge_warps(acc, m_run, l_run);
+  prog.write_output();
 }
 
-// Merges the split-KV partials of one (partial row, head) and the head's
-// sink. Grid (partial rows, num_heads), any block size.
-template <typename T>
-__device__ __forceinline__ void reduce_body(const AttnParams& p) {
-  const int row = blockIdx.x, head = blockIdx.y, S = p.num_segments, hs = p.head_size;
-  int64_t token = row;
+// The partial row `row` of a split-KV launch as an output token; false when
+// a mixed batch's decode launch holds no such row ((sequence, row) partials
+// of a sequence another launch owns, or past its new tokens).
+__device__ __forceinline__ bool reduce_token(const AttnParams& p, int row, int64_t& token) {
+  token = row;
   if (p.ws_seq_rows > 0) {
     // (sequence, row) partials of a mixed batch's decode launch.
     const int seq = row / p.ws_seq_rows, q_rel = row % p.ws_seq_rows;
     const int q_len = (int)(p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]);
-    if (q_len < p.q_len_min || q_len > p.q_len_max || q_rel >= q_len) return;
+    if (q_len < p.q_len_min || q_len > p.q_len_max || q_rel >= q_len) return false;
     token = (int64_t)p.cu_seqlens_q[seq] + q_rel;
   }
-  const int64_t base = ((int64_t)row * p.num_heads + head) * S;
-  // A segment's sum is 0 when it saw no key of this row (it is skipped:
-  // selected, not multiplied), else >= 1 or NaN. NaN sums and maxima
-  // propagate through the NaN-aware max into every term.
-  float M = neg_inf();
+  return true;
+}
+
+// The common maximum M and total sum L of the S segments at `base` and the
+// head's sink. A segment's sum is 0 when it saw no key of this row (it is
+// skipped: selected, not multiplied), else >= 1 or NaN. NaN sums and maxima
+// propagate through the NaN-aware max into every term.
+__device__ __forceinline__ void reduce_max_sum(const AttnParams& p, int64_t base, int head, float& M, float& L) {
+  const int S = p.num_segments;
+  M = neg_inf();
   for (int s = 0; s < S; ++s) {
     if (p.ws_ml[2 * (base + s) + 1] != 0.f) M = max_nan(M, p.ws_ml[2 * (base + s)]);
   }
@@ -814,12 +1109,24 @@ __device__ __forceinline__ void reduce_body(const AttnParams& p) {
     s2 = p.sinks[head] * LOG2E;
     M = max_nan(M, s2);
   }
-  float L = 0.f;
+  L = 0.f;
   for (int s = 0; s < S; ++s) {
     const float l = p.ws_ml[2 * (base + s) + 1];
     if (l != 0.f) L += l * exp2f(p.ws_ml[2 * (base + s)] - M);
   }
   if (p.sinks != nullptr) L += sink_mass(s2, M);
+}
+
+// Merges the split-KV partials of one (partial row, head) and the head's
+// sink. Grid (partial rows, num_heads), any block size.
+template <typename T>
+__device__ __forceinline__ void reduce_body(const AttnParams& p) {
+  const int row = blockIdx.x, head = blockIdx.y, S = p.num_segments, hs = p.head_size;
+  int64_t token;
+  if (!reduce_token(p, row, token)) return;
+  const int64_t base = ((int64_t)row * p.num_heads + head) * S;
+  float M, L;
+  reduce_max_sum(p, base, head, M, L);
   const float inv = L == 0.f ? 0.f : 1.f / L;
   for (int d = threadIdx.x; d < hs; d += blockDim.x) {
     float o = 0.f;
@@ -835,108 +1142,160 @@ __device__ __forceinline__ void reduce_body(const AttnParams& p) {
 }
 
 // The f32 path: one warp per (query row, query head); lane l holds columns
-// l, l + 32, ... Grid (num_tokens, ceil(num_heads / 4)), 128 threads.
+// l, l + 32, ... Grid (num_tokens, ceil(num_heads / 4)), 128 threads. The
+// members are the phases `scalar_body` runs in order.
+template <typename C>
+struct ScalarProgram {
+  static constexpr int MAXJ = 512 / 32;
+  const AttnParams& p;
+  int lane, token, head;
+  int seq, hs, kv_head, q_rel, context_len, q_abs, window;
+  const uint32_t* ranges;
+  int nr;
+  int k_lo, k_hi;  // the keys the row may see
+  float qv[MAXJ], acc[MAXJ];
+  float m, l;  // running maximum (log2 units) and sum
+
+  __device__ __forceinline__ explicit ScalarProgram(const AttnParams& params) : p(params) {}
+
+  // The warp's (token, head), its sequence and the key range its row sees;
+  // false when the warp has nothing to do.
+  __device__ __forceinline__ bool locate() {
+    lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    token = blockIdx.x;
+    head = blockIdx.y * 4 + warp;
+    if (head >= p.num_heads || token >= p.num_tokens) return false;
+    int lo = 0, hi = p.num_seqs;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if ((int)p.cu_seqlens_q[mid] <= token) lo = mid + 1;
+      else hi = mid;
+    }
+    seq = lo - 1;
+    if (seq < 0) return false;
+    hs = p.head_size;
+    const int group = p.num_heads / p.num_kv_heads;
+    kv_head = head / group;
+    const int q_len = (int)(p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]);
+    q_rel = token - (int)p.cu_seqlens_q[seq];
+    const int seq_len = (int)p.seq_lens[seq];
+    context_len = seq_len - q_len;
+    q_abs = context_len + q_rel;
+    window = p.sliding_window;
+    ranges = p.prefix_ranges ? p.prefix_ranges + (size_t)seq * p.max_ranges * 2 : nullptr;
+    nr = ranges ? p.max_ranges : 0;
+    k_lo = window > 0 ? max(0, q_abs - window + 1) : 0;
+    k_hi = q_abs + 1;
+    for (int r = 0; r < nr; ++r) {
+      const int s = (int)ranges[2 * r], e = (int)ranges[2 * r + 1];
+      if (s <= q_abs && q_abs < e) {
+        k_lo = min(k_lo, s);
+        k_hi = max(k_hi, e);
+      }
+    }
+    k_hi = min(k_hi, seq_len);
+    return true;
+  }
+
+  // The query row into the lanes' registers and an empty accumulator. A
+  // query holding NaN or +-inf scores NaN against every key it sees.
+  __device__ __forceinline__ void load_q() {
+    const int lane = this->lane, hs = this->hs;
+    const float* q = static_cast<const float*>(p.q) + ((int64_t)token * p.num_heads + head) * hs;
+    bool q_bad = false;
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+      const int d = lane + 32 * j;
+      qv[j] = d < hs ? q[d] : 0.f;
+      q_bad = q_bad || !isfinite(qv[j]);
+      acc[j] = 0.f;
+    }
+    if (__any_sync(0xffffffffu, q_bad)) {
+#pragma unroll
+      for (int j = 0; j < MAXJ; ++j) qv[j] = __int_as_float(0x7fc00000);
+    }
+  }
+
+  // Every visible key of [k_lo, k_hi), one at a time: its score (scale,
+  // softcap, ALiBi, qq_bias), then the online softmax update of m, l and acc.
+  __device__ __forceinline__ void attend() {
+    const int lane = this->lane, hs = this->hs, head = this->head, kv_head = this->kv_head, seq = this->seq;
+    const int q_rel = this->q_rel, q_abs = this->q_abs, context_len = this->context_len, window = this->window;
+    const int nr = this->nr, k_lo = this->k_lo, k_hi = this->k_hi;
+    const uint32_t* ranges = this->ranges;
+    const C* kc = static_cast<const C*>(p.k_cache);
+    const C* vc = static_cast<const C*>(p.v_cache);
+    const uint32_t* table = p.block_tables + (size_t)seq * p.block_table_width;
+    const int64_t kv_row = (int64_t)p.num_kv_heads * hs;
+    const float slope = p.alibi_slopes ? p.alibi_slopes[head] : 0.f;
+    float m = neg_inf(), l = 0.f;
+    for (int key = k_lo; key < k_hi; ++key) {
+      if (!key_visible(q_abs, key, window, ranges, nr)) continue;
+      const int64_t off = (int64_t)table[key / p.block_size] * p.block_stride +
+                          (int64_t)(key % p.block_size) * kv_row + (int64_t)kv_head * hs;
+      float dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < MAXJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d < hs) dot += qv[j] * to_f32(kc[off + d]);
+      }
+      float x = warp_sum(dot) * p.scale;
+      if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+      x += slope * (float)(key - context_len);
+      if (p.qq_bias != nullptr && key >= context_len && key - context_len < p.qq_cols)
+        x += p.qq_bias[(int64_t)q_rel * p.qq_cols + (key - context_len)];
+      x *= LOG2E;
+      if (x == neg_inf()) continue;
+      const float m_new = max_nan(m, x);
+      const float alpha = exp2f(m - m_new);
+      const float pe = exp2f(x - m_new);
+      l = l * alpha + pe;
+#pragma unroll
+      for (int j = 0; j < MAXJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d < hs) acc[j] = acc[j] * alpha + pe * to_f32(vc[off + d]);
+      }
+      m = m_new;
+    }
+    this->m = m;
+    this->l = l;
+  }
+
+  // The head's sink, the normalisation and the row's output columns.
+  __device__ __forceinline__ void write_output() {
+    const int lane = this->lane, hs = this->hs, head = this->head, token = this->token;
+    const float m = this->m;
+    float l = this->l;
+    float f = 1.f;
+    if (p.sinks != nullptr) {
+      const float s2 = p.sinks[head] * LOG2E;
+      const float Mn = max_nan(m, s2);
+      f = m == neg_inf() ? 0.f : exp2f(m - Mn);
+      l = l * f + sink_mass(s2, Mn);
+    }
+    // l is 0 only for a row that saw no key and has no sink mass (acc is 0).
+    const float scale_out = l == 0.f ? 0.f : f / l * p.v_scale;
+    const int64_t ob = ((int64_t)token * p.num_heads + head) * hs;
+#pragma unroll
+    for (int j = 0; j < MAXJ; ++j) {
+      const int d = lane + 32 * j;
+      if (d < hs) {
+        const float y = acc[j] * scale_out;
+        if (p.out_fp8) static_cast<fp8_t*>(p.out)[ob + d] = from_f32<fp8_t>(y * p.out_inv_scale);
+        else static_cast<float*>(p.out)[ob + d] = y;
+      }
+    }
+  }
+};
+
 template <typename C>
 __device__ __forceinline__ void scalar_body(const AttnParams& p) {
-  constexpr int MAXJ = 512 / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int token = blockIdx.x, head = blockIdx.y * 4 + warp;
-  if (head >= p.num_heads || token >= p.num_tokens) return;
-  int lo = 0, hi = p.num_seqs;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if ((int)p.cu_seqlens_q[mid] <= token) lo = mid + 1;
-    else hi = mid;
-  }
-  const int seq = lo - 1;
-  if (seq < 0) return;
-  const int hs = p.head_size, group = p.num_heads / p.num_kv_heads, kv_head = head / group;
-  const int q_len = (int)(p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]);
-  const int q_rel = token - (int)p.cu_seqlens_q[seq];
-  const int seq_len = (int)p.seq_lens[seq];
-  const int context_len = seq_len - q_len;
-  const int q_abs = context_len + q_rel;
-  const int window = p.sliding_window;
-  const uint32_t* ranges = p.prefix_ranges ? p.prefix_ranges + (size_t)seq * p.max_ranges * 2 : nullptr;
-  const int nr = ranges ? p.max_ranges : 0;
-  int k_lo = window > 0 ? max(0, q_abs - window + 1) : 0, k_hi = q_abs + 1;
-  for (int r = 0; r < nr; ++r) {
-    const int s = (int)ranges[2 * r], e = (int)ranges[2 * r + 1];
-    if (s <= q_abs && q_abs < e) {
-      k_lo = min(k_lo, s);
-      k_hi = max(k_hi, e);
-    }
-  }
-  k_hi = min(k_hi, seq_len);
-
-  const float* q = static_cast<const float*>(p.q) + ((int64_t)token * p.num_heads + head) * hs;
-  float qv[MAXJ], acc[MAXJ];
-  bool q_bad = false;
-#pragma unroll
-  for (int j = 0; j < MAXJ; ++j) {
-    const int d = lane + 32 * j;
-    qv[j] = d < hs ? q[d] : 0.f;
-    q_bad = q_bad || !isfinite(qv[j]);
-    acc[j] = 0.f;
-  }
-  // A query holding NaN or +-inf scores NaN against every key it sees.
-  if (__any_sync(0xffffffffu, q_bad)) {
-#pragma unroll
-    for (int j = 0; j < MAXJ; ++j) qv[j] = __int_as_float(0x7fc00000);
-  }
-  const C* kc = static_cast<const C*>(p.k_cache);
-  const C* vc = static_cast<const C*>(p.v_cache);
-  const uint32_t* table = p.block_tables + (size_t)seq * p.block_table_width;
-  const int64_t kv_row = (int64_t)p.num_kv_heads * hs;
-  const float slope = p.alibi_slopes ? p.alibi_slopes[head] : 0.f;
-  float m = neg_inf(), l = 0.f;
-  for (int key = k_lo; key < k_hi; ++key) {
-    if (!key_visible(q_abs, key, window, ranges, nr)) continue;
-    const int64_t off = (int64_t)table[key / p.block_size] * p.block_stride +
-                        (int64_t)(key % p.block_size) * kv_row + (int64_t)kv_head * hs;
-    float dot = 0.f;
-#pragma unroll
-    for (int j = 0; j < MAXJ; ++j) {
-      const int d = lane + 32 * j;
-      if (d < hs) dot += qv[j] * to_f32(kc[off + d]);
-    }
-    float x = warp_sum(dot) * p.scale;
-    if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
-    x += slope * (float)(key - context_len);
-    if (p.qq_bias != nullptr && key >= context_len && key - context_len < p.qq_cols)
-      x += p.qq_bias[(int64_t)q_rel * p.qq_cols + (key - context_len)];
-    x *= LOG2E;
-    if (x == neg_inf()) continue;
-    const float m_new = max_nan(m, x);
-    const float alpha = exp2f(m - m_new);
-    const float pe = exp2f(x - m_new);
-    l = l * alpha + pe;
-#pragma unroll
-    for (int j = 0; j < MAXJ; ++j) {
-      const int d = lane + 32 * j;
-      if (d < hs) acc[j] = acc[j] * alpha + pe * to_f32(vc[off + d]);
-    }
-    m = m_new;
-  }
-  float f = 1.f;
-  if (p.sinks != nullptr) {
-    const float s2 = p.sinks[head] * LOG2E;
-    const float Mn = max_nan(m, s2);
-    f = m == neg_inf() ? 0.f : exp2f(m - Mn);
-    l = l * f + sink_mass(s2, Mn);
-  }
-  // l is 0 only for a row that saw no key and has no sink mass (acc is 0).
-  const float scale_out = l == 0.f ? 0.f : f / l * p.v_scale;
-  const int64_t ob = ((int64_t)token * p.num_heads + head) * hs;
-#pragma unroll
-  for (int j = 0; j < MAXJ; ++j) {
-    const int d = lane + 32 * j;
-    if (d < hs) {
-      const float y = acc[j] * scale_out;
-      if (p.out_fp8) static_cast<fp8_t*>(p.out)[ob + d] = from_f32<fp8_t>(y * p.out_inv_scale);
-      else static_cast<float*>(p.out)[ob + d] = y;
-    }
-  }
+  ScalarProgram<C> prog(p);
+  if (!prog.locate()) return;
+  prog.load_q();
+  prog.attend();
+  prog.write_output();
 }
 
 // ---- entry points ---------------------------------------------------------------
