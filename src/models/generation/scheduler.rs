@@ -148,6 +148,28 @@ impl Sequence {
     }
 }
 
+/// What an engine has done so far (see [`Engine::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Steps whose forward pass succeeded.
+    pub steps: usize,
+    /// Prompt tokens computed (tokens recomputed after a preemption
+    /// included, tokens taken from the prefix cache excluded).
+    pub prefill_tokens: usize,
+    /// Tokens decoded (one per sequence and decode step).
+    pub decode_tokens: usize,
+    /// Prompt tokens taken from the prefix cache instead of computed.
+    pub prefix_cache_hit_tokens: usize,
+    /// Times a running sequence was preempted (its blocks freed, its tokens
+    /// recomputed later).
+    pub preemptions: usize,
+    /// The most full-attention blocks in use at once during a step (shared
+    /// blocks once).
+    pub peak_used_blocks: usize,
+    /// Full-attention blocks in the cache.
+    pub num_blocks: usize,
+}
+
 /// What a successful forward pass hands to the sampling of a step.
 struct StepLogits {
     /// Argmax of every logit row (empty when no sequence is greedy).
@@ -197,6 +219,9 @@ pub struct Engine<'m, M: PagedModel + ?Sized> {
     steps: usize,
     /// Requests finished so far (in any way but an abort).
     finished: usize,
+    stats: EngineStats,
+    /// The block manager's hit counter when `stats` was last reset.
+    hits_base: usize,
 }
 
 impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
@@ -219,6 +244,8 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             completions: Vec::new(),
             steps: 0,
             finished: 0,
+            stats: EngineStats::default(),
+            hits_base: 0,
         })
     }
 
@@ -338,6 +365,29 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// The block manager (which blocks each running sequence holds).
     pub fn block_manager(&self) -> &BlockManager {
         &self.manager
+    }
+
+    /// Counters of the steps run since the engine was built or
+    /// [`reset_stats`](Self::reset_stats) was last called.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            prefix_cache_hit_tokens: self
+                .manager
+                .prefix_cache_hit_tokens()
+                .saturating_sub(self.hits_base),
+            num_blocks: self.manager.num_blocks(),
+            ..self.stats
+        }
+    }
+
+    /// Starts the counters of [`stats`](Self::stats) afresh (after a
+    /// warm-up, say); the peak block use restarts from the blocks in use now.
+    pub fn reset_stats(&mut self) {
+        self.stats = EngineStats {
+            peak_used_blocks: self.manager.num_used_blocks(),
+            ..EngineStats::default()
+        };
+        self.hits_base = self.manager.prefix_cache_hit_tokens();
     }
 
     /// Finished requests, in the order they finished (drained).
@@ -462,7 +512,13 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             let Some(seq) = self.waiting.front() else {
                 break;
             };
-            let need = seq.context_len().div_ceil(bs);
+            // Cached blocks other sequences use are shared, not taken.
+            let shared = if self.cache.config().prefix_caching {
+                self.manager.shared_prefix_blocks(&seq.context())
+            } else {
+                0
+            };
+            let need = seq.context_len().div_ceil(bs).saturating_sub(shared);
             // The first admission of an empty batch always tries, so that a
             // sequence too large for the cache ends with an error instead of
             // waiting forever.
@@ -507,6 +563,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         self.manager.free(seq.request.id)?;
         seq.pending = None;
         seq.preemptions += 1;
+        self.stats.preemptions += 1;
         self.waiting.push_front(seq);
         Ok(())
     }
@@ -553,7 +610,14 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             let id = seq.request.id;
             let total = self.manager.tokens(id).map_or(0, |t| t.len());
             let done = self.manager.num_computed(id).unwrap_or(total);
-            let n = total.saturating_sub(done).min(budget).min(chunk_limit);
+            // Blocks cached by earlier steps are taken, not computed: they
+            // cost no budget. (Blocks that earlier items of this step compute
+            // are taken too, leaving part of this item's budget unused.)
+            let cached = self.manager.cached_prefix_len(id);
+            let n = total
+                .saturating_sub(done.saturating_add(cached))
+                .min(budget)
+                .min(chunk_limit);
             if n > 0 {
                 work.push(Work::Prefill {
                     seq_id: id,
@@ -637,6 +701,22 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         };
         // The step is committed: nothing below fails for a reason no request owns.
         self.steps += 1;
+        let decodes = batch
+            .seq_ids
+            .iter()
+            .filter(|id| {
+                self.running
+                    .iter()
+                    .any(|s| s.request.id == **id && s.pending.is_some())
+            })
+            .count();
+        self.stats.steps += 1;
+        self.stats.decode_tokens += decodes;
+        self.stats.prefill_tokens += batch.token_ids.len().saturating_sub(decodes);
+        self.stats.peak_used_blocks = self
+            .stats
+            .peak_used_blocks
+            .max(self.manager.num_used_blocks());
         for seq in &mut self.running {
             if batch.seq_ids.contains(&seq.request.id) {
                 seq.pending = None;
