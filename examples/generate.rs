@@ -26,7 +26,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use candle_paged_attention::models::generation::{
-    Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
+    Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::tokenizer::{self, ChatMessage, TextStream};
 use candle_paged_attention::models::{
@@ -588,7 +588,8 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         start.elapsed(),
         prompt_tokens,
         kv_bytes,
-        engine.num_steps(),
+        &engine.stats(),
+        args.prefix_caching,
     );
     if let Some(e) = failure {
         return Err(anyhow::Error::from(e).context(format!(
@@ -611,8 +612,10 @@ fn report(
     wall: Duration,
     prompt_tokens: usize,
     kv_bytes: usize,
-    steps: usize,
+    stats: &EngineStats,
+    prefix_caching: bool,
 ) {
+    let steps = stats.steps;
     let generated: usize = done.iter().map(|c| c.tokens.len()).sum();
     let ttft: Vec<f64> = done
         .iter()
@@ -634,9 +637,24 @@ fn report(
         (generated + prompt_tokens) as f64 / wall.as_secs_f64(),
     );
     eprintln!(
-        "time to first token: mean {:.3}s, max {:.3}s; KV cache {:.1} MiB; preemptions {preempted}",
+        "time to first token: mean {:.3}s, max {:.3}s; KV cache {:.1} MiB, peak {} of {} blocks in use; preemptions {preempted}",
         mean_ttft,
         max_ttft,
-        mib(kv_bytes)
+        mib(kv_bytes),
+        stats.peak_used_blocks,
+        stats.num_blocks
     );
+    let hits = stats.prefix_cache_hit_tokens;
+    if prefix_caching {
+        eprintln!(
+            "prefix cache: {hits} prompt tokens reused, {} computed ({:.1}% of the prompt tokens reused)",
+            stats.prefill_tokens,
+            100.0 * hits as f64 / (hits + stats.prefill_tokens).max(1) as f64
+        );
+    } else {
+        eprintln!(
+            "prompt tokens computed: {} (prefix caching off)",
+            stats.prefill_tokens
+        );
+    }
 }

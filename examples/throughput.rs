@@ -59,9 +59,11 @@
 //! inter-token latency (every gap between two tokens of a request), p50 and
 //! p99, each token timed with `Instant` when it reaches the host (the
 //! engine's `step` events; the dense side's argmax copy); for the engine,
-//! preemptions, peak KV blocks (an estimate, see `paged.rs`) and
-//! prefix-cache hits (n/a: not reported). The dense side runs one request
-//! at a time (the first `--ref-requests`), and in batches of
+//! preemptions, peak KV blocks in use (shared blocks once) and prefix-cache
+//! hits (prompt tokens taken from the cache, and their share of all prompt
+//! tokens processed), from the engine's counters (`Engine::stats`, the
+//! warm-up excluded). The dense side runs one request at a time (the first
+//! `--ref-requests`), and in batches of
 //! `--max-num-seqs` when all requests have one prompt length and one output
 //! length and arrive together. The batch-1 decode floor is the weight bytes
 //! a step reads over `--copy-bandwidth-gbs` (default 4300, an H200's
@@ -635,7 +637,9 @@ fn main() -> Result<()> {
     );
     eprintln!("paged engine: {path}");
 
-    let warm_prompt: Vec<u32> = work[0].prompt.iter().take(16).copied().collect();
+    // Reversed, so that the warm-up registers no block of a real prompt in
+    // the prefix cache.
+    let warm_prompt: Vec<u32> = work[0].prompt.iter().take(16).rev().copied().collect();
     let warm = (!args.no_warmup).then_some(warm_prompt.as_slice());
     let engine = paged::run(model, cache, sched, &work, warm)?;
     eprintln!(
@@ -724,6 +728,15 @@ fn main() -> Result<()> {
                 "seed": args.seed,
             },
             "engine": engine.stats.to_json(),
+            "engine_counters": {
+                "steps": engine.counters.steps,
+                "prefill_tokens": engine.counters.prefill_tokens,
+                "decode_tokens": engine.counters.decode_tokens,
+                "prefix_cache_hit_tokens": engine.counters.prefix_cache_hit_tokens,
+                "preemptions": engine.counters.preemptions,
+                "peak_used_blocks": engine.counters.peak_used_blocks,
+                "num_blocks": engine.counters.num_blocks,
+            },
             "references": refs.iter().map(RunStats::to_json).collect::<Vec<_>>(),
             "batched_reference_prefill": ref_prefill.map(|p| match p {
                 reference::Prefill::Whole => "whole prompt".to_string(),
