@@ -172,11 +172,21 @@ pub struct EngineStats {
 
 /// What a successful forward pass hands to the sampling of a step.
 struct StepLogits {
-    /// Argmax of every logit row (empty when no sequence is greedy).
-    argmax: Vec<u32>,
+    /// The argmax of each greedy sequence's logit row, by logit row.
+    argmax: Vec<Option<u32>>,
     /// The logit rows of the sampled (non-greedy) sequences, on the host,
     /// by logit row.
     sampled: Vec<Option<Tensor>>,
+}
+
+/// Rows `idx` of `(rows, vocab)` `logits`: a view of all of them when `idx`
+/// lists every row in order, else one gather on the logits' device.
+fn pick_rows(logits: &Tensor, idx: &[usize]) -> Result<Tensor> {
+    if idx.iter().copied().eq(0..logits.dim(0)?) {
+        return Ok(logits.clone());
+    }
+    let ids: Vec<u32> = idx.iter().map(|&r| r as u32).collect();
+    logits.index_select(&Tensor::new(ids, logits.device())?, 0)
 }
 
 /// Runs requests through a [`PagedModel`] with continuous batching.
@@ -665,20 +675,25 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                     .is_none_or(|s| s.sampler.is_greedy())
             })
             .collect();
+        let (greedy_rows, sampled_rows): (Vec<usize>, Vec<usize>) =
+            (0..rows.len()).partition(|&r| greedy[r]);
         // Greedy rows take their argmax on the logits' device in one pass
         // and one copy, instead of one copy of a vocabulary row per sequence.
-        let argmax: Vec<u32> = if greedy.iter().any(|&g| g) {
-            logits.argmax(D::Minus1)?.to_vec1()?
-        } else {
-            Vec::new()
-        };
+        let mut argmax = vec![None; rows.len()];
+        if !greedy_rows.is_empty() {
+            let tokens: Vec<u32> = pick_rows(&logits, &greedy_rows)?
+                .argmax(D::Minus1)?
+                .to_vec1()?;
+            for (&r, t) in greedy_rows.iter().zip(tokens) {
+                argmax[r] = Some(t);
+            }
+        }
+        // Sampled rows come to the host in one copy, without the greedy ones.
         let mut sampled = vec![None; rows.len()];
-        if greedy.iter().any(|&g| !g) {
-            let host = logits.to_device(&Device::Cpu)?;
-            for (r, g) in greedy.iter().enumerate() {
-                if !g {
-                    sampled[r] = Some(host.get(r)?);
-                }
+        if !sampled_rows.is_empty() {
+            let host = pick_rows(&logits, &sampled_rows)?.to_device(&Device::Cpu)?;
+            for (j, &r) in sampled_rows.iter().enumerate() {
+                sampled[r] = Some(host.get(j)?);
             }
         }
         Ok(StepLogits { argmax, sampled })
@@ -729,7 +744,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             let Some(seq) = self.running.iter_mut().find(|s| s.request.id == id) else {
                 bail!("{OP}: scheduled sequence {id} is not running");
             };
-            let token = match (&logits.sampled[r], logits.argmax.get(r)) {
+            let token = match (&logits.sampled[r], logits.argmax.get(r).copied().flatten()) {
                 (Some(row), _) => match seq.sampler.sample(row) {
                     Ok(t) => t,
                     Err(e) => {
@@ -739,7 +754,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                         continue;
                     }
                 },
-                (None, Some(&t)) => t,
+                (None, Some(t)) => t,
                 (None, None) => bail!("{OP}: no logits were read for request {id}"),
             };
             seq.generated.push(token);
