@@ -198,6 +198,14 @@ fn pick_rows(logits: &Tensor, idx: &[usize]) -> Result<Tensor> {
 /// newest running sequence is preempted (its blocks freed, its prompt and
 /// generated tokens recomputed later).
 ///
+/// With prefix caching (the cache's [`CacheConfig`](crate::models::CacheConfig)),
+/// a prefill takes the cached blocks of its prompt when it is scheduled,
+/// including those an earlier sequence computes in the same step (see
+/// [`BlockManager`]): prompts submitted together compute a shared prefix
+/// once. Prefill chunks are budgeted after the blocks cached by earlier
+/// steps, and admission counts the blocks a prompt shares with running
+/// sequences as free. [`stats`](Self::stats) counts the tokens reused.
+///
 /// # Failures
 /// * [`add_request`](Self::add_request) refuses what can never run: invalid
 ///   sampling parameters, an empty prompt, a token id outside the
