@@ -11,6 +11,11 @@
 //! through the continuous-batching engine and print each output and the
 //! aggregate throughput.
 //!
+//! The KV cache takes `--num-blocks` blocks per layer, or what fits in
+//! `--kv-memory-mb`; by default, on CUDA, what `--gpu-memory-utilization`
+//! (0.9) of the device memory leaves after the weights and a profiled
+//! forward pass of `--chunk-tokens` tokens, and 256 MiB on the CPU.
+//!
 //! Flags are checked before anything is loaded or allocated, and every
 //! error names its flag. A prompt that cannot run (longer than the model's
 //! context, say) prints its error in place of its answer while the others
@@ -26,11 +31,12 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use candle_paged_attention::models::generation::{
-    Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
+    Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::tokenizer::{self, ChatMessage, TextStream};
 use candle_paged_attention::models::{
-    gemma2, gemma3, llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
+    gemma2, gemma3, llama, quantized_llama, CacheConfig, CachePlan, CacheSizing, PagedKvCache,
+    PagedModel, PagedOptions, DEFAULT_CPU_KV_BYTES,
 };
 use candle_paged_attention::Attention;
 use clap::Parser;
@@ -71,12 +77,20 @@ pub struct Args {
     /// Activation dtype of safetensors models: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// KV cache blocks per layer (overrides --kv-memory-mb).
+    /// KV cache blocks per layer (overrides --kv-memory-mb and
+    /// --gpu-memory-utilization).
     #[arg(long)]
     num_blocks: Option<usize>,
-    /// KV cache budget in MiB, over all layers.
-    #[arg(long, default_value_t = 256)]
-    kv_memory_mb: usize,
+    /// KV cache budget in MiB, over all layers (overrides
+    /// --gpu-memory-utilization). Default: 256 on the CPU; on CUDA what
+    /// --gpu-memory-utilization leaves.
+    #[arg(long)]
+    kv_memory_mb: Option<usize>,
+    /// On CUDA, the fraction of the device memory the process may use: the
+    /// KV cache takes what is left of it after the weights and a profiled
+    /// forward pass of --chunk-tokens tokens.
+    #[arg(long, default_value_t = candle_paged_attention::models::DEFAULT_GPU_MEMORY_UTILIZATION)]
+    gpu_memory_utilization: f64,
     /// Give sliding-window layers (Gemma) their own caches of N blocks,
     /// recycling blocks that fell out of the window.
     #[arg(long)]
@@ -308,18 +322,21 @@ fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
         ("--block-size", args.block_size),
         ("--num-blocks", args.num_blocks.unwrap_or(1)),
         ("--window-blocks", args.window_blocks.unwrap_or(1)),
-        ("--kv-memory-mb", args.kv_memory_mb),
+        ("--kv-memory-mb", args.kv_memory_mb.unwrap_or(1)),
     ];
     for (flag, value) in positive {
         if value == 0 {
             bail!("{flag} must be at least 1, got 0");
         }
     }
-    if args.kv_memory_mb.checked_mul(1 << 20).is_none() {
-        bail!(
-            "--kv-memory-mb {} is too large: its bytes overflow usize",
-            args.kv_memory_mb
-        );
+    if let Some(mb) = args.kv_memory_mb {
+        if mb.checked_mul(1 << 20).is_none() {
+            bail!("--kv-memory-mb {mb} is too large: its bytes overflow usize");
+        }
+    }
+    let u = args.gpu_memory_utilization;
+    if !(u > 0.0 && u <= 1.0) {
+        bail!("--gpu-memory-utilization must be in (0, 1], got {u}");
     }
     if !args.temperature.is_finite() {
         bail!("--temperature must be finite, got {}", args.temperature);
@@ -350,78 +367,50 @@ fn host_memory_available() -> Option<usize> {
     kib.checked_mul(1024)
 }
 
-/// Blocks per full-attention layer from `--num-blocks` or `--kv-memory-mb`,
-/// with every size computed in checked arithmetic and the cache's bytes
-/// checked against the host's memory (on the CPU) before it is allocated.
-fn cache_blocks(args: &Args, layers: &[&Attention], dtype: DType, dev: &Device) -> Result<usize> {
-    let bs = args.block_size;
-    // Bytes of one block of one layer, key and value; None on overflow.
-    let layer_block = |l: &Attention| -> Option<usize> {
-        2usize
-            .checked_mul(bs)?
-            .checked_mul(l.num_kv_heads())?
-            .checked_mul(l.head_size())?
-            .checked_mul(dtype.size_in_bytes())
+/// Blocks per full-attention layer from `--num-blocks`, `--kv-memory-mb`
+/// or, by default, `--gpu-memory-utilization` on CUDA (256 MiB on the CPU),
+/// through the library's [`CacheSizing`]; the cache's bytes are checked
+/// against the host's memory (on the CPU) before anything is allocated.
+/// Returns the plan and the flag it came from.
+fn cache_plan(args: &Args, model: &dyn PagedModel, dev: &Device) -> Result<(CachePlan, String)> {
+    let (sizing, flag) = match (args.num_blocks, args.kv_memory_mb) {
+        (Some(n), _) => (CacheSizing::Blocks(n), format!("--num-blocks {n}")),
+        // checked in check_flags
+        (None, Some(mb)) => (CacheSizing::Bytes(mb << 20), format!("--kv-memory-mb {mb}")),
+        (None, None) if dev.is_cpu() => (
+            CacheSizing::Bytes(DEFAULT_CPU_KV_BYTES),
+            format!("--kv-memory-mb {}", DEFAULT_CPU_KV_BYTES >> 20),
+        ),
+        (None, None) => (
+            CacheSizing::Device {
+                utilization: args.gpu_memory_utilization,
+                max_batch_tokens: args.chunk_tokens,
+                max_num_seqs: args.max_num_seqs,
+            },
+            format!(
+                "--gpu-memory-utilization {} (with --chunk-tokens {})",
+                args.gpu_memory_utilization, args.chunk_tokens
+            ),
+        ),
     };
-    let windowed =
-        |l: &Attention| args.window_blocks.is_some() && l.options().sliding_window.is_some();
-    let mut full_block = 0usize; // one block in every full-attention cache
-    let mut all_block = 0usize; // one block in every cache
-    let mut window_bytes = 0usize; // the window groups' caches, all of them
-    for l in layers {
-        let b = layer_block(l).with_context(|| {
-            format!("--block-size {bs}: one cache block of a layer would take more than usize::MAX bytes")
-        })?;
-        all_block = all_block
-            .checked_add(b)
-            .context("--block-size: block bytes overflow")?;
-        if windowed(l) {
-            let n = args.window_blocks.unwrap_or(0);
-            window_bytes = n
-                .checked_mul(b)
-                .and_then(|x| x.checked_add(window_bytes))
-                .with_context(|| {
-                    format!("--window-blocks {n}: the window caches' bytes overflow usize")
-                })?;
-        } else {
-            full_block = full_block
-                .checked_add(b)
-                .context("--block-size: block bytes overflow")?;
-        }
-    }
-    let (num_blocks, flag) = match args.num_blocks {
-        Some(n) => (n, format!("--num-blocks {n}")),
-        None => {
-            let budget = args.kv_memory_mb << 20; // checked in check_flags
-            let n = budget / all_block.max(1);
-            if n == 0 {
-                bail!(
-                    "--kv-memory-mb {}: {budget} bytes hold no cache block ({} layers x {} bytes per block of {bs} tokens; see --block-size)",
-                    args.kv_memory_mb,
-                    layers.len(),
-                    all_block / layers.len().max(1)
-                );
-            }
-            (n, format!("--kv-memory-mb {}", args.kv_memory_mb))
-        }
-    };
-    let total = num_blocks
-        .checked_mul(full_block)
-        .and_then(|x| x.checked_add(window_bytes));
-    let Some(total) = total else {
-        bail!("{flag}: the KV cache's bytes ({num_blocks} blocks x {full_block} bytes) overflow usize");
-    };
+    let layers = model.attention_layers();
+    let plan = sizing
+        .plan(model, args.window_blocks)
+        .with_context(|| format!("{flag}, --block-size {}", args.block_size))?;
     if dev.is_cpu() {
         if let Some(avail) = host_memory_available() {
-            if total > avail {
+            if plan.bytes > avail {
                 bail!(
-                    "{flag}: the KV cache would take {total} bytes ({num_blocks} blocks of {bs} tokens in {} layers), more than the {avail} bytes of memory available",
+                    "{flag}: the KV cache would take {} bytes ({} blocks of {} tokens in {} layers), more than the {avail} bytes of memory available",
+                    plan.bytes,
+                    plan.num_blocks,
+                    args.block_size,
                     layers.len()
                 );
             }
         }
     }
-    Ok(num_blocks)
+    Ok((plan, flag))
 }
 
 /// What became of one prompt.
@@ -459,16 +448,17 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
     };
     let model = loaded.model.as_ref();
     let layers: Vec<&Attention> = model.attention_layers();
-    let num_blocks = cache_blocks(&args, &layers, model.dtype(), &dev)?;
+    let (plan, sized_by) = cache_plan(&args, model, &dev)?;
+    let num_blocks = plan.num_blocks;
     let cache_config = CacheConfig {
         num_blocks,
         window_blocks: args.window_blocks,
         prefix_caching: args.prefix_caching,
     };
     let cache = PagedKvCache::new(&layers, cache_config, model.dtype(), &dev)
-        .with_context(|| format!("allocating the KV cache of {num_blocks} blocks per layer (--num-blocks / --kv-memory-mb, --block-size)"))?;
+        .with_context(|| format!("allocating the KV cache of {num_blocks} blocks per layer ({sized_by}, --block-size)"))?;
     eprintln!(
-        "model {} loaded in {:.2?} on {:?}; context {} tokens; KV cache: {} layers x {num_blocks} blocks of {} tokens = {:.1} MiB",
+        "model {} loaded in {:.2?} on {:?}; context {} tokens; KV cache: {} layers x {num_blocks} blocks of {} tokens = {:.1} MiB, sized by {sized_by}",
         loaded.name,
         start.elapsed(),
         dev,
@@ -477,6 +467,16 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         args.block_size,
         mib(cache.memory_bytes())
     );
+    if let Some(p) = plan.profile {
+        eprintln!(
+            "device memory: {:.1} MiB in all, {:.1} MiB free after the weights, a profiled step of {} tokens peaked at {:.1} MiB; KV budget {:.1} MiB",
+            mib(p.total_bytes),
+            mib(p.free_bytes),
+            args.chunk_tokens,
+            mib(p.activation_peak_bytes),
+            mib(plan.budget_bytes.unwrap_or(0))
+        );
+    }
     let kv_bytes = cache.memory_bytes();
     let mut engine = Engine::new(
         model,
@@ -486,7 +486,7 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
             max_num_seqs: args.max_num_seqs,
         },
     )
-    .context("--num-blocks / --kv-memory-mb")?;
+    .with_context(|| sized_by.clone())?;
     let mut outcomes: Vec<Outcome> = Vec::with_capacity(prompts.len());
     let mut prompt_tokens = 0;
     for (i, p) in prompts.iter().enumerate() {
@@ -588,7 +588,8 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         start.elapsed(),
         prompt_tokens,
         kv_bytes,
-        engine.num_steps(),
+        &engine.stats(),
+        args.prefix_caching,
     );
     if let Some(e) = failure {
         return Err(anyhow::Error::from(e).context(format!(
@@ -611,8 +612,10 @@ fn report(
     wall: Duration,
     prompt_tokens: usize,
     kv_bytes: usize,
-    steps: usize,
+    stats: &EngineStats,
+    prefix_caching: bool,
 ) {
+    let steps = stats.steps;
     let generated: usize = done.iter().map(|c| c.tokens.len()).sum();
     let ttft: Vec<f64> = done
         .iter()
@@ -634,9 +637,24 @@ fn report(
         (generated + prompt_tokens) as f64 / wall.as_secs_f64(),
     );
     eprintln!(
-        "time to first token: mean {:.3}s, max {:.3}s; KV cache {:.1} MiB; preemptions {preempted}",
+        "time to first token: mean {:.3}s, max {:.3}s; KV cache {:.1} MiB, peak {} of {} blocks in use; preemptions {preempted}",
         mean_ttft,
         max_ttft,
-        mib(kv_bytes)
+        mib(kv_bytes),
+        stats.peak_used_blocks,
+        stats.num_blocks
     );
+    let hits = stats.prefix_cache_hit_tokens;
+    if prefix_caching {
+        eprintln!(
+            "prefix cache: {hits} prompt tokens reused, {} computed ({:.1}% of the prompt tokens reused)",
+            stats.prefill_tokens,
+            100.0 * hits as f64 / (hits + stats.prefill_tokens).max(1) as f64
+        );
+    } else {
+        eprintln!(
+            "prompt tokens computed: {} (prefix caching off)",
+            stats.prefill_tokens
+        );
+    }
 }

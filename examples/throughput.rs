@@ -49,9 +49,12 @@
 //!   in `--dtype` (bf16), one set of tensors loaded by the paged `Llama` and
 //!   by candle-transformers' `llama`. The CPU refuses shapes over 4 GiB.
 //!
-//! Engine: `--block-size`, `--num-blocks` or `--kv-memory-mb` (default:
-//! blocks for the `--max-num-seqs` longest requests at full length, so no
-//! preemption is needed), `--chunk-tokens` (token budget of a step),
+//! Engine: `--block-size`, `--num-blocks` or `--kv-memory-mb` (default: on
+//! CUDA, what `--gpu-memory-utilization`, 0.9, of the device memory leaves
+//! after the weights of both sides and a profiled step of `--chunk-tokens`
+//! tokens, as `generate` sizes it; on the CPU, blocks for the
+//! `--max-num-seqs` longest requests at full length, so no preemption is
+//! needed), `--chunk-tokens` (token budget of a step),
 //! `--max-num-seqs`, `--prefix-caching`.
 //!
 //! Reported for each side: requests/s and generated tokens/s over the run's
@@ -59,9 +62,11 @@
 //! inter-token latency (every gap between two tokens of a request), p50 and
 //! p99, each token timed with `Instant` when it reaches the host (the
 //! engine's `step` events; the dense side's argmax copy); for the engine,
-//! preemptions, peak KV blocks (an estimate, see `paged.rs`) and
-//! prefix-cache hits (n/a: not reported). The dense side runs one request
-//! at a time (the first `--ref-requests`), and in batches of
+//! preemptions, peak KV blocks in use (shared blocks once) and prefix-cache
+//! hits (prompt tokens taken from the cache, and their share of all prompt
+//! tokens processed), from the engine's counters (`Engine::stats`, the
+//! warm-up excluded). The dense side runs one request at a time (the first
+//! `--ref-requests`), and in batches of
 //! `--max-num-seqs` when all requests have one prompt length and one output
 //! length and arrive together. The batch-1 decode floor is the weight bytes
 //! a step reads over `--copy-bandwidth-gbs` (default 4300, an H200's
@@ -87,9 +92,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_paged_attention::models::generation::SchedulerConfig;
 use candle_paged_attention::models::{
-    llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
+    llama, quantized_llama, CacheConfig, CacheSizing, PagedKvCache, PagedModel, PagedOptions,
 };
-use candle_paged_attention::{num_blocks_for_budget, Attention};
+use candle_paged_attention::Attention;
 use candle_transformers::models as ct;
 use clap::{Parser, ValueEnum};
 use rand::SeedableRng;
@@ -166,10 +171,15 @@ struct Args {
     /// KV cache blocks per layer (overrides --kv-memory-mb).
     #[arg(long)]
     num_blocks: Option<usize>,
-    /// KV cache budget in MiB over all layers; default: enough blocks for
-    /// the --max-num-seqs longest requests.
+    /// KV cache budget in MiB over all layers; default: on CUDA, what
+    /// --gpu-memory-utilization leaves; on the CPU, enough blocks for the
+    /// --max-num-seqs longest requests.
     #[arg(long)]
     kv_memory_mb: Option<usize>,
+    /// On CUDA, the fraction of the device memory the process may use (the
+    /// KV cache takes what the weights and a profiled step leave of it).
+    #[arg(long, default_value_t = candle_paged_attention::models::DEFAULT_GPU_MEMORY_UTILIZATION)]
+    gpu_memory_utilization: f64,
     /// Token budget of one engine step (prompts are prefilled in chunks).
     #[arg(long, default_value_t = 512)]
     chunk_tokens: usize,
@@ -590,24 +600,41 @@ fn main() -> Result<()> {
     let model = loaded.paged.as_ref();
     let layers: Vec<&Attention> = model.attention_layers();
     let bs = args.block_size;
-    let num_blocks = match (args.num_blocks, args.kv_memory_mb) {
-        (Some(n), _) => n,
-        (None, Some(mb)) => num_blocks_for_budget(
-            mb << 20,
-            layers.len(),
-            bs,
-            layers[0].num_kv_heads(),
-            layers[0].head_size(),
-            model.dtype(),
-        )?,
+    let sizing = match (args.num_blocks, args.kv_memory_mb) {
+        (Some(n), _) => CacheSizing::Blocks(n),
+        (None, Some(mb)) => match mb.checked_mul(1 << 20) {
+            Some(b) => CacheSizing::Bytes(b),
+            None => bail!("--kv-memory-mb {mb} is too large: its bytes overflow usize"),
+        },
+        (None, None) if dev.is_cuda() => CacheSizing::Device {
+            utilization: args.gpu_memory_utilization,
+            max_batch_tokens: args.chunk_tokens,
+            max_num_seqs: args.max_num_seqs,
+        },
         (None, None) => {
             let mut need: Vec<usize> = work
                 .iter()
                 .map(|w| (w.prompt.len() + w.max_tokens).div_ceil(bs))
                 .collect();
             need.sort_unstable_by(|a, b| b.cmp(a));
-            need.iter().take(args.max_num_seqs).sum::<usize>().max(1)
+            CacheSizing::Blocks(need.iter().take(args.max_num_seqs).sum::<usize>().max(1))
         }
+    };
+    let plan = sizing
+        .plan(model, None)
+        .context("sizing the KV cache (--num-blocks, --kv-memory-mb, --gpu-memory-utilization)")?;
+    let num_blocks = plan.num_blocks;
+    let sized_by = match (&sizing, plan.profile) {
+        (CacheSizing::Device { utilization, .. }, Some(p)) => format!(
+            "sized by --gpu-memory-utilization {utilization}: {:.1} GiB device, {:.1} GiB free after the weights, profiled step of {} tokens peaked at {:.1} MiB",
+            p.total_bytes as f64 / (1u64 << 30) as f64,
+            p.free_bytes as f64 / (1u64 << 30) as f64,
+            args.chunk_tokens,
+            p.activation_peak_bytes as f64 / (1u64 << 20) as f64
+        ),
+        (CacheSizing::Bytes(b), _) => format!("sized by --kv-memory-mb {}", b >> 20),
+        (CacheSizing::Blocks(_), _) if args.num_blocks.is_some() => "sized by --num-blocks".into(),
+        _ => "sized for the --max-num-seqs longest requests".into(),
     };
     let cache_config = CacheConfig {
         prefix_caching: args.prefix_caching,
@@ -620,7 +647,7 @@ fn main() -> Result<()> {
         max_num_seqs: args.max_num_seqs,
     };
     let path = format!(
-        "device {:?}, activations {:?}, KV cache {} layers x {num_blocks} blocks of {bs} tokens ({kv_mib:.1} MiB{}), step budget {} tokens, at most {} sequences; decode path: not reported by the engine",
+        "device {:?}, activations {:?}, KV cache {} layers x {num_blocks} blocks of {bs} tokens ({kv_mib:.1} MiB{}, {sized_by}), step budget {} tokens, at most {} sequences; decode path: not reported by the engine",
         dev.location(),
         model.dtype(),
         layers.len(),
@@ -635,7 +662,9 @@ fn main() -> Result<()> {
     );
     eprintln!("paged engine: {path}");
 
-    let warm_prompt: Vec<u32> = work[0].prompt.iter().take(16).copied().collect();
+    // Reversed, so that the warm-up registers no block of a real prompt in
+    // the prefix cache.
+    let warm_prompt: Vec<u32> = work[0].prompt.iter().take(16).rev().copied().collect();
     let warm = (!args.no_warmup).then_some(warm_prompt.as_slice());
     let engine = paged::run(model, cache, sched, &work, warm)?;
     eprintln!(
@@ -724,6 +753,15 @@ fn main() -> Result<()> {
                 "seed": args.seed,
             },
             "engine": engine.stats.to_json(),
+            "engine_counters": {
+                "steps": engine.counters.steps,
+                "prefill_tokens": engine.counters.prefill_tokens,
+                "decode_tokens": engine.counters.decode_tokens,
+                "prefix_cache_hit_tokens": engine.counters.prefix_cache_hit_tokens,
+                "preemptions": engine.counters.preemptions,
+                "peak_used_blocks": engine.counters.peak_used_blocks,
+                "num_blocks": engine.counters.num_blocks,
+            },
             "references": refs.iter().map(RunStats::to_json).collect::<Vec<_>>(),
             "batched_reference_prefill": ref_prefill.map(|p| match p {
                 reference::Prefill::Whole => "whole prompt".to_string(),

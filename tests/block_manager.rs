@@ -345,6 +345,77 @@ fn rolled_back_prefix_blocks_are_not_shared(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+fn prefix_blocks_are_taken_when_scheduled(dev: &Device) -> Result<()> {
+    let mut mgr = BlockManager::new(BlockManagerConfig::new(4, 12).with_prefix_caching(true))?;
+    let a: Vec<u32> = (0..10).collect();
+    let mut b = a[..9].to_vec();
+    b.push(50);
+    // Admitted together: nothing is cached yet.
+    ensure!(mgr.add_sequence(1, &a)? == 0 && mgr.add_sequence(2, &b)? == 0);
+    ensure!(mgr.cached_prefix_len(2) == 0);
+    // Sequence 1 computes blocks 0 and 1 in this batch; sequence 2 takes
+    // them (one forward pass stores them before any query attends) and
+    // computes its last two tokens only, though it asked for up to 10.
+    ensure!(mgr.shortfall(&[prefill(1, 10), prefill(2, 10)])?.is_none());
+    let batch = mgr.schedule(&[prefill(1, 10), prefill(2, 10)], dev)?;
+    ensure!(batch.prefix_hits == [0, 8], "{:?}", batch.prefix_hits);
+    ensure!(batch.metadata.positions_host() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 8, 9]);
+    ensure!(batch.token_ids[10..] == [8, 50] && batch.ready == [true, true]);
+    let (ta, tb) = (
+        mgr.block_table(1).unwrap().to_vec(),
+        mgr.block_table(2).unwrap().to_vec(),
+    );
+    ensure!(ta[..2] == tb[..2] && ta[2] != tb[2], "{ta:?} {tb:?}");
+    ensure!(mgr.block_ref_count(ta[0]) == 2 && mgr.num_used_blocks() == 4);
+    ensure!(mgr.prefix_cache_hit_tokens() == 8 && mgr.peak_used_blocks() == 4);
+    // A failed forward pass: both are undone, and the registered blocks are
+    // forgotten (their content may be incomplete).
+    mgr.rollback(batch)?;
+    ensure!(mgr.num_computed(1) == Some(0) && mgr.num_computed(2) == Some(0));
+    ensure!(mgr.block_table(2) == Some(&[][..]) && mgr.num_used_blocks() == 0);
+    ensure!(mgr.num_cached_blocks() == 0 && mgr.num_free_blocks() == 12);
+    ensure!(mgr.prefix_cache_hit_tokens() == 0 && mgr.peak_used_blocks() == 0);
+    // The retry computes them; a later batch takes them from the cache, and
+    // the hits count when that batch is scheduled.
+    mgr.schedule(&[prefill(1, 10)], dev)?;
+    ensure!(mgr.cached_prefix_len(2) == 8 && mgr.prefix_cache_hit_tokens() == 0);
+    ensure!(mgr.shared_prefix_blocks(&b) == 2 && mgr.shared_prefix_blocks(&a[..5]) == 1);
+    let batch = mgr.schedule(&[prefill(2, 2)], dev)?;
+    ensure!(batch.prefix_hits == [8] && batch.metadata.positions_host() == [8, 9]);
+    ensure!(mgr.prefix_cache_hit_tokens() == 8);
+    // Admission hits count with the sequence's first batch.
+    ensure!(mgr.add_sequence(3, &a)? == 8);
+    ensure!(mgr.prefix_cache_hit_tokens() == 8);
+    mgr.schedule(&[prefill(3, 2)], dev)?;
+    ensure!(mgr.prefix_cache_hit_tokens() == 16);
+    for id in [1, 2, 3] {
+        mgr.free(id)?;
+    }
+    ensure!(mgr.num_used_blocks() == 0 && mgr.peak_used_blocks() == 5);
+    // Unused cached blocks a batch takes leave the pool's available blocks:
+    // sequence 4 is admitted before its prefix is cached, then takes two
+    // unused cached blocks when it is scheduled.
+    let c: Vec<u32> = (20..30).collect();
+    mgr.add_sequence(4, &c)?;
+    mgr.add_sequence(6, &c)?;
+    mgr.schedule(&[prefill(6, 10)], dev)?;
+    mgr.free(6)?;
+    mgr.add_sequence(5, &[9; 40])?;
+    ensure!(mgr.num_free_blocks() == 12 && mgr.num_cached_unused_blocks() == 4);
+    let why = mgr.shortfall(&[prefill(4, 10), prefill(5, 40)])?;
+    ensure!(
+        why.as_deref()
+            == Some("block-manager: sequence 5 needs 10 more blocks but 9 are free in the full-attention pool (10 of 12 blocks free before this batch)"),
+        "{why:?}"
+    );
+    let got = err_of(mgr.schedule(&[prefill(4, 10), prefill(5, 40)], dev));
+    ensure!(got.starts_with(why.as_deref().unwrap_or("-")), "{got}");
+    ensure!(mgr.num_free_blocks() == 12 && mgr.num_cached_unused_blocks() == 4);
+    let batch = mgr.schedule(&[prefill(4, 10), prefill(5, 36)], dev)?;
+    ensure!(batch.prefix_hits == [8, 0] && mgr.num_free_blocks() == 0);
+    Ok(())
+}
+
 fn shortfall_predicts_schedule(dev: &Device) -> Result<()> {
     let mut mgr = BlockManager::new(BlockManagerConfig::new(2, 5))?;
     mgr.add_sequence(7, &[0; 9])?;
@@ -422,6 +493,7 @@ device_tests!(
     window_blocks_are_recycled,
     rollback_restores_the_state_exactly,
     rolled_back_prefix_blocks_are_not_shared,
+    prefix_blocks_are_taken_when_scheduled,
     shortfall_predicts_schedule,
     refuses_absurd_sizes_before_allocating,
 );

@@ -22,7 +22,8 @@ mod engine_mock;
 use std::collections::HashMap;
 
 use candle_paged_attention::models::generation::{
-    Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig, TokenEvent,
+    Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
+    TokenEvent,
 };
 use engine_mock::{oracle_next, Fail, MockModel, INJECTED};
 use proptest::prelude::*;
@@ -114,7 +115,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         prop::sample::select(vec![1usize, 2, 4]),
         1usize..=16,
         prop::option::weighted(0.35, (1usize..8, prop::option::weighted(0.7, 0usize..3))),
-        prop::bool::weighted(0.4),
+        prop::bool::weighted(0.5),
         1usize..12,
         1usize..6,
         12usize..48,
@@ -258,9 +259,9 @@ fn same_finish(got: &FinishReason, want: &FinishReason, id: usize) -> bool {
     }
 }
 
-/// Runs `case` with its failures; panics (through `prop_assert`) on any
-/// violated property.
-fn check(case: &Case) -> Result<(), TestCaseError> {
+/// Runs `case` with its failures; fails (through `prop_assert`) on any
+/// violated property. Returns the engine's counters.
+fn check(case: &Case) -> Result<EngineStats, TestCaseError> {
     let model = model_of(case);
     for &(call, how) in &case.failures {
         model.fail_at(call, how);
@@ -405,10 +406,20 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
     let manager = engine.block_manager();
     prop_assert_eq!(manager.num_sequences(), 0);
     prop_assert_eq!(manager.num_free_blocks(), case.num_blocks);
+    prop_assert_eq!(manager.num_used_blocks(), 0);
+    let stats = engine.stats();
+    prop_assert!(stats.peak_used_blocks <= case.num_blocks, "{stats:?}");
+    prop_assert_eq!(stats.num_blocks, case.num_blocks);
+    if !case.prefix_caching {
+        prop_assert_eq!(stats.prefix_cache_hit_tokens, 0);
+    }
+    // Hits are whole blocks of prompts (and of contexts recomputed after a
+    // preemption).
+    prop_assert_eq!(stats.prefix_cache_hit_tokens % case.block_size, 0);
     if let Some((_, Some(pool))) = case.window {
         prop_assert_eq!(manager.num_free_window_blocks(0), Some(pool));
     }
-    Ok(())
+    Ok(stats)
 }
 
 /// The oracle is what the engine gives a greedy request alone.
@@ -436,4 +447,27 @@ proptest! {
         check_oracle_is_alone(&case)?;
         check(&case)?;
     }
+}
+
+/// The random streams exercise prefix caching: in a fixed sample of cases,
+/// many take blocks from the cache (the properties above then hold with
+/// blocks shared between requests, within a step and across steps).
+#[test]
+fn random_streams_share_prefixes() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    let mut runner = TestRunner::deterministic();
+    let strategy = case_strategy();
+    let (mut with_cache, mut with_hits) = (0, 0);
+    for _ in 0..300 {
+        let case = strategy.new_tree(&mut runner).expect("a case").current();
+        let stats = check(&case).expect("the properties hold");
+        with_cache += case.prefix_caching as usize;
+        with_hits += (stats.prefix_cache_hit_tokens > 0) as usize;
+    }
+    eprintln!("{with_hits} of {with_cache} cases with prefix caching had hits");
+    assert!(
+        with_hits * 3 >= with_cache && with_cache >= 100,
+        "{with_hits} of {with_cache} cases with prefix caching had hits"
+    );
 }

@@ -48,6 +48,14 @@ fn flags_are_checked_before_loading_and_name_the_flag() -> Result<()> {
         ),
         (&["--temperature", "NaN"], "--temperature must be finite, got NaN"),
         (
+            &["--gpu-memory-utilization", "0"],
+            "--gpu-memory-utilization must be in (0, 1], got 0",
+        ),
+        (
+            &["--gpu-memory-utilization", "1.5"],
+            "--gpu-memory-utilization must be in (0, 1], got 1.5",
+        ),
+        (
             &["--top-p", "1e-50"],
             "--top-p: sampling: top_p 1e-50 is too small: it is applied in f32 and must be at least 1.1754944e-38",
         ),
@@ -102,7 +110,7 @@ fn cache_sizes_that_overflow_or_exceed_memory_name_the_flag() -> Result<()> {
     // SmolLM2: 30 layers x 2 x 3 KV heads x 64 x 4 bytes per token.
     let got = error_of(&["--block-size", "18014398509481984"])?;
     ensure!(
-        got.starts_with("--block-size 18014398509481984: one cache block of a layer would take more than usize::MAX bytes"),
+        got.starts_with("--kv-memory-mb 256, --block-size 18014398509481984: paged-kv-cache: a block of 18014398509481984 tokens of layer 0 (3 kv heads x head_size 64) takes more than usize::MAX bytes"),
         "{got}"
     );
     let got = error_of(&["--num-blocks", "100000000000"])?;
@@ -118,7 +126,7 @@ fn cache_sizes_that_overflow_or_exceed_memory_name_the_flag() -> Result<()> {
     );
     let got = error_of(&["--block-size", "100000000"])?;
     ensure!(
-        got.starts_with("--kv-memory-mb 256: 268435456 bytes hold no cache block (30 layers x 153600000000 bytes per block of 100000000 tokens; see --block-size)"),
+        got.starts_with("--kv-memory-mb 256, --block-size 100000000: paged-kv-cache: 268435456 bytes hold no cache block (30 layers, 4608000000000 bytes per block of 100000000 tokens over the full-attention layers, 0 bytes of window caches)"),
         "{got}"
     );
     Ok(())

@@ -67,10 +67,17 @@ impl BlockManagerConfig {
 pub enum Work {
     /// Compute the next `num_tokens` prompt tokens (the whole rest of the
     /// prompt, or a chunk of it).
+    ///
+    /// With prefix caching, [`BlockManager::schedule`] first takes the
+    /// cached blocks that hold the sequence's next prompt tokens (see
+    /// [`BlockManager`]); their tokens are not computed, and the item
+    /// computes `min(num_tokens, prompt tokens left after them)` tokens from
+    /// there ([`ScheduledBatch::prefix_hits`] says how many were taken).
     Prefill {
         /// The sequence, as admitted by `add_sequence`.
         seq_id: u64,
-        /// Prompt tokens to compute in this step.
+        /// Prompt tokens to compute in this step at most (at most the
+        /// prompt tokens left before the cache lookup).
         num_tokens: usize,
     },
     /// Append `token` (sampled from the previous step) and compute it.
@@ -105,6 +112,10 @@ pub struct ScheduledBatch {
     /// Whether each sequence has computed all its tokens after this step, so
     /// the logits at its last row predict its next token.
     pub ready: Vec<bool>,
+    /// Prompt tokens each work item took from the prefix cache when it was
+    /// scheduled (whole blocks; 0 without prefix caching): its first query
+    /// row sits after them.
+    pub prefix_hits: Vec<usize>,
     /// What [`BlockManager::rollback`] restores.
     undo: BatchUndo,
 }
@@ -116,9 +127,13 @@ struct BatchUndo {
     /// The batch's number (the manager's count of scheduled batches).
     id: u64,
     seqs: Vec<SeqUndo>,
+    /// The manager's hit counter and peak block use before the batch.
+    hit_tokens: usize,
+    peak_used: usize,
 }
 
-/// One sequence's lengths before a batch.
+/// One sequence's lengths before a batch, and the prefixes the batch
+/// registered for it.
 #[derive(Debug)]
 struct SeqUndo {
     seq_id: u64,
@@ -127,6 +142,10 @@ struct SeqUndo {
     blocks: usize,
     hashes: usize,
     window_blocks: Vec<usize>,
+    uncounted_hits: usize,
+    /// Blocks the batch registered in the prefix cache (their content is
+    /// incomplete when the batch's forward pass failed).
+    registered: Vec<u32>,
 }
 
 #[derive(Debug)]
@@ -136,8 +155,12 @@ struct Sequence {
     /// Tokens whose keys and values are in the cache (or scheduled).
     computed: usize,
     blocks: Vec<u32>,
-    /// Content hashes of the leading full blocks (prefix caching).
+    /// Content hashes of the leading full blocks (prefix caching): one per
+    /// full computed block, so `block_hashes.len() == computed / block_size`.
     block_hashes: Vec<u64>,
+    /// Tokens `add_sequence` took from the prefix cache, counted in the hit
+    /// counter when the sequence's first batch is scheduled.
+    uncounted_hits: usize,
     /// Per window group; `None` marks a block recycled out of the window.
     window_blocks: Vec<Vec<Option<u32>>>,
 }
@@ -165,10 +188,26 @@ struct WindowPool {
 /// positions. Only the last scheduled batch can be rolled back, before any
 /// other `add_sequence`, `free` or `schedule`.
 ///
-/// Blocks scheduled for computation are registered for prefix sharing right
-/// away, so run the forward pass of every scheduled batch (or roll it back)
-/// before the next `add_sequence`. A block registered by a batch that was
-/// rolled back is never shared until its content is computed again.
+/// # Prefix caching
+/// With [`BlockManagerConfig::enable_prefix_caching`], every full block a
+/// batch computes is registered under a hash of its tokens and of all
+/// tokens before it, and a sequence takes the registered blocks that hold
+/// its next prompt tokens instead of computing them: when it is admitted
+/// ([`add_sequence`](Self::add_sequence)) and again each time a
+/// [`Work::Prefill`] of it is scheduled, so sequences admitted together
+/// share the blocks the first of them computes. A prefill item takes the
+/// blocks computed by earlier batches and those that earlier items of the
+/// same batch compute: one forward pass stores every token's keys and
+/// values of a layer before any query of that layer attends, so the shared
+/// blocks are complete when they are read. The last prompt token is always
+/// computed (its logits start generation).
+///
+/// Blocks are registered when they are scheduled, so run the forward pass
+/// of every scheduled batch (or roll it back) before the next
+/// `add_sequence` or `schedule`. A rolled-back batch's registrations are
+/// forgotten: its blocks are shared only once a later batch computes them.
+/// [`prefix_cache_hit_tokens`](Self::prefix_cache_hit_tokens) counts the
+/// tokens taken from the cache by scheduled batches.
 ///
 /// # Example
 /// A generation loop with one layer: chunked prefills, then decodes.
@@ -233,11 +272,10 @@ pub struct BlockManager {
     batches: u64,
     /// The batch `rollback` may undo: the last one, before any other change.
     last_batch: Option<u64>,
-    /// Full-attention blocks registered for prefix sharing by a batch that
-    /// was rolled back, with the hash they are registered under: their
-    /// content may be incomplete, so they are not shared until a batch
-    /// computes them again or the pool hands them out afresh.
-    poisoned: HashMap<u32, u64>,
+    /// Prompt tokens scheduled batches took from the prefix cache.
+    hit_tokens: usize,
+    /// The most full-attention blocks in use after a scheduled batch.
+    peak_used: usize,
 }
 
 /// Host bookkeeping per block of a pool: its entry in the free list (4
@@ -333,7 +371,8 @@ impl BlockManager {
             seqs: HashMap::new(),
             batches: 0,
             last_batch: None,
-            poisoned: HashMap::new(),
+            hit_tokens: 0,
+            peak_used: 0,
         })
     }
 
@@ -342,7 +381,8 @@ impl BlockManager {
     /// prompt token is always left to compute (its logits start generation).
     ///
     /// Returns the number of prompt tokens found in the cache; the first
-    /// [`Work::Prefill`] starts after them.
+    /// [`Work::Prefill`] starts after them (or later: scheduling takes the
+    /// blocks cached since, see [`BlockManager`]).
     pub fn add_sequence(&mut self, seq_id: u64, prompt: &[u32]) -> Result<usize> {
         self.last_batch = None;
         if self.seqs.contains_key(&seq_id) {
@@ -364,6 +404,7 @@ impl BlockManager {
             computed: 0,
             blocks: Vec::new(),
             block_hashes: Vec::new(),
+            uncounted_hits: 0,
             window_blocks: vec![Vec::new(); self.windows.len()],
         };
         if self.prefix_caching {
@@ -372,15 +413,11 @@ impl BlockManager {
                 let Some(block) = self.pool.acquire_cached(hash, toks) else {
                     break;
                 };
-                if self.poisoned.contains_key(&block) {
-                    // A rolled-back batch left its content incomplete.
-                    self.pool.release(block)?;
-                    break;
-                }
                 seq.blocks.push(block);
                 seq.block_hashes.push(hash);
             }
             seq.computed = seq.blocks.len() * bs;
+            seq.uncounted_hits = seq.computed;
         }
         let cached = seq.computed;
         self.seqs.insert(seq_id, seq);
@@ -413,6 +450,11 @@ impl BlockManager {
     /// [`shortfall`](Self::shortfall)). When the metadata cannot be built,
     /// it fails with the allocations undone.
     ///
+    /// With prefix caching, each [`Work::Prefill`] first takes the cached
+    /// blocks holding its sequence's next prompt tokens, computed by earlier
+    /// batches or by earlier items of this one (see [`BlockManager`]);
+    /// [`ScheduledBatch::prefix_hits`] gives their tokens per item.
+    ///
     /// Window-group blocks that no query at or after a planned sequence's
     /// next position can see go back to their pools first (and stay there
     /// whatever happens next). The batch can be undone with
@@ -429,33 +471,42 @@ impl BlockManager {
         // Recycled blocks stay recycled on a failure or a rollback: no query
         // at or after the planned positions can see them.
         self.recycle_out_of_window(&plan)?;
+        let (hit_tokens, peak_used) = (self.hit_tokens, self.peak_used);
         let mut undo = Vec::with_capacity(plan.len());
-        for p in &plan {
-            if let Err(e) = self.commit(p, &mut undo) {
-                self.undo(&undo)?;
-                return Err(e);
-            }
+        // Every item takes its cached blocks before any item allocates, so
+        // that no allocation evicts a cached block a later item takes.
+        let mut done = plan.iter().try_for_each(|p| self.take_cached(p, &mut undo));
+        if done.is_ok() {
+            done = plan
+                .iter()
+                .zip(undo.iter_mut())
+                .try_for_each(|(p, u)| self.commit(p, u));
         }
-        match self.build(&plan, device) {
+        let built = done.and_then(|()| self.build(&plan, device));
+        match built {
             Ok(mut batch) => {
                 self.batches += 1;
                 batch.undo = BatchUndo {
                     id: self.batches,
                     seqs: undo,
+                    hit_tokens,
+                    peak_used,
                 };
                 self.last_batch = Some(self.batches);
+                self.peak_used = self.peak_used.max(self.num_used_blocks());
                 Ok(batch)
             }
             Err(e) => {
                 self.undo(&undo)?;
+                (self.hit_tokens, self.peak_used) = (hit_tokens, peak_used);
                 Err(e)
             }
         }
     }
 
     /// Whether [`schedule`](Self::schedule) would find the blocks `work`
-    /// needs, counting the blocks it would recycle out of sliding windows.
-    /// Changes nothing.
+    /// needs, counting the blocks it would recycle out of sliding windows
+    /// and those it would take from the prefix cache. Changes nothing.
     ///
     /// Returns `Ok(None)` when the blocks are there, `Ok(Some(reason))` when a
     /// pool runs short (the error `schedule` would give), and an error when
@@ -468,14 +519,53 @@ impl BlockManager {
         Ok(self.capacity_shortfall(&plan))
     }
 
+    /// Prompt tokens of `seq_id` that its next [`Work::Prefill`] would take
+    /// from the prefix cache, counting only the blocks earlier batches
+    /// computed (a batch may add the blocks its earlier items compute).
+    /// Zero without prefix caching, for an unknown sequence, and when the
+    /// sequence has computed part of a block.
+    pub fn cached_prefix_len(&self, seq_id: u64) -> usize {
+        match self.seqs.get(&seq_id) {
+            Some(seq) if self.prefix_caching => {
+                self.prefix_hits(seq, &HashMap::new()).len() * self.block_size
+            }
+            _ => 0,
+        }
+    }
+
+    /// Leading whole blocks of `tokens` (before its last token) that the
+    /// prefix cache holds and admitted sequences use: a sequence admitted
+    /// with these tokens shares them instead of taking blocks from the pool.
+    /// Zero without prefix caching.
+    pub fn shared_prefix_blocks(&self, tokens: &[u32]) -> usize {
+        if !self.prefix_caching {
+            return 0;
+        }
+        let mut parent = None;
+        let mut in_use = 0;
+        for toks in tokens[..tokens.len().saturating_sub(1)].chunks_exact(self.block_size) {
+            let hash = block_hash(parent, toks);
+            let Some(block) = self.pool.lookup(hash, toks) else {
+                break;
+            };
+            if self.pool.ref_count(block) > 0 {
+                in_use += 1;
+            }
+            parent = Some(hash);
+        }
+        in_use
+    }
+
     /// Undoes `batch`, the last batch [`schedule`](Self::schedule) returned,
     /// after its forward pass failed: the scheduled sequences get back their
     /// computed positions, lose the decoded tokens the batch appended, and
     /// return the blocks it allocated (to the free list; a cached prefix the
-    /// allocation evicted stays forgotten). Blocks the batch registered for
-    /// prefix sharing are never shared until a later batch computes them.
-    /// Blocks recycled out of sliding windows stay recycled: no query at or
-    /// after the batch's positions sees them.
+    /// allocation evicted stays forgotten) and the cached blocks it took
+    /// (to the prefix cache). The prefixes the batch registered are
+    /// forgotten: those blocks are shared only once a later batch computes
+    /// them. The hit counter and the peak block use go back to their values
+    /// before the batch. Blocks recycled out of sliding windows stay
+    /// recycled: no query at or after the batch's positions sees them.
     ///
     /// Fails without changing anything when `batch` is not the last scheduled
     /// batch or when `add_sequence`, `free` or `schedule` was called since.
@@ -487,7 +577,10 @@ impl BlockManager {
             );
         }
         self.last_batch = None;
-        self.undo(&batch.undo.seqs)
+        self.undo(&batch.undo.seqs)?;
+        self.hit_tokens = batch.undo.hit_tokens;
+        self.peak_used = batch.undo.peak_used;
+        Ok(())
     }
 
     /// Restores the sequences of `undo`, newest change first.
@@ -496,14 +589,13 @@ impl BlockManager {
             let Some(seq) = self.seqs.get_mut(&u.seq_id) else {
                 bail!("{OP}: sequence {} vanished before its rollback", u.seq_id);
             };
+            for &b in &u.registered {
+                self.pool.unregister(b);
+            }
             seq.computed = u.computed;
             seq.tokens.truncate(u.tokens);
-            for (i, &hash) in seq.block_hashes.iter().enumerate().skip(u.hashes) {
-                if let Some(&b) = seq.blocks.get(i) {
-                    self.poisoned.insert(b, hash);
-                }
-            }
             seq.block_hashes.truncate(u.hashes);
+            seq.uncounted_hits = u.uncounted_hits;
             for b in seq.blocks.drain(u.blocks.min(seq.blocks.len())..) {
                 self.pool.release(b)?;
             }
@@ -522,9 +614,13 @@ impl BlockManager {
     }
 
     fn plan(&self, work: &[Work]) -> Result<Vec<Planned>> {
+        let bs = self.block_size;
         let mut seen = HashSet::with_capacity(work.len());
         let mut plan = Vec::with_capacity(work.len());
         let mut num_tokens = 0usize;
+        // Full prompt blocks that earlier prefill items of this batch
+        // compute, by hash: later items may take them.
+        let mut computed_here: HashMap<u64, &[u32]> = HashMap::new();
         for w in work {
             let seq_id = w.seq_id();
             let Some(seq) = self.seqs.get(&seq_id) else {
@@ -534,37 +630,92 @@ impl BlockManager {
                 bail!("{OP}: sequence {seq_id} is scheduled twice in one batch");
             }
             let left = seq.tokens.len() - seq.computed;
-            let (q_len, token) = match *w {
+            let (hits, q_len, token) = match *w {
                 Work::Prefill { num_tokens, .. } => {
                     if num_tokens == 0 || num_tokens > left {
                         bail!(
                             "{OP}: sequence {seq_id} asks to prefill {num_tokens} tokens but {left} prompt tokens are left"
                         );
                     }
-                    (num_tokens, None)
+                    let hits = if self.prefix_caching {
+                        self.prefix_hits(seq, &computed_here)
+                    } else {
+                        Vec::new()
+                    };
+                    // Hits end before the last prompt token: at least one is left.
+                    let left = left - hits.len() * bs;
+                    (hits, num_tokens.min(left), None)
                 }
                 Work::Decode { token, .. } => {
                     if left > 0 {
                         bail!("{OP}: sequence {seq_id} cannot decode: {left} prompt tokens are not prefilled yet");
                     }
-                    (1, Some(token))
+                    (Vec::new(), 1, Some(token))
                 }
             };
-            if seq.computed + q_len > u32::MAX as usize {
+            let start = seq.computed + hits.len() * bs;
+            if start + q_len > u32::MAX as usize {
                 bail!("{OP}: sequence {seq_id} would exceed u32 positions");
             }
             num_tokens += q_len;
             if num_tokens > u32::MAX as usize {
                 bail!("{OP}: the batch would have more than u32::MAX query tokens");
             }
+            if self.prefix_caching && token.is_none() {
+                let mut parent = hits
+                    .last()
+                    .map(|h| h.0)
+                    .or(seq.block_hashes.last().copied());
+                for b in seq.block_hashes.len() + hits.len()..(start + q_len) / bs {
+                    let toks = &seq.tokens[b * bs..(b + 1) * bs];
+                    let hash = block_hash(parent, toks);
+                    computed_here.entry(hash).or_insert(toks);
+                    parent = Some(hash);
+                }
+            }
             plan.push(Planned {
                 seq_id,
-                start: seq.computed,
+                start,
                 q_len,
                 token,
+                hits,
             });
         }
         Ok(plan)
+    }
+
+    /// The cached blocks holding the next prompt blocks of `seq`, as
+    /// `(hash, Some(block))` for blocks earlier batches computed, then
+    /// `(hash, None)` for blocks that earlier items of the batch being
+    /// planned compute (`computed_here`). Only whole blocks before the last
+    /// prompt token count, and only when `seq` has computed whole blocks.
+    fn prefix_hits(
+        &self,
+        seq: &Sequence,
+        computed_here: &HashMap<u64, &[u32]>,
+    ) -> Vec<(u64, Option<u32>)> {
+        let bs = self.block_size;
+        let mut hits: Vec<(u64, Option<u32>)> = Vec::new();
+        if !seq.computed.is_multiple_of(bs) {
+            return hits;
+        }
+        let mut parent = seq.block_hashes.last().copied();
+        // Blocks wholly before the last token, whose logits start generation.
+        let end = seq.tokens.len().saturating_sub(1) / bs;
+        for b in seq.computed / bs..end {
+            let toks = &seq.tokens[b * bs..(b + 1) * bs];
+            let hash = block_hash(parent, toks);
+            let in_batch_run = hits.last().is_some_and(|h| h.1.is_none());
+            match self.pool.lookup(hash, toks) {
+                // Cached blocks come first: `schedule` takes them before any
+                // item of the batch allocates.
+                Some(block) if !in_batch_run => hits.push((hash, Some(block))),
+                _ if computed_here.get(&hash) == Some(&toks) => hits.push((hash, None)),
+                _ => break,
+            }
+            parent = Some(hash);
+        }
+        hits
     }
 
     /// Returns window-group blocks that no query at or after each planned
@@ -590,18 +741,19 @@ impl BlockManager {
 
     /// The first pool that cannot give `plan` its blocks, as the error
     /// `schedule` reports; `None` when every pool can. Window pools count the
-    /// blocks `recycle_out_of_window` would return first.
+    /// blocks `recycle_out_of_window` would return first; the full-attention
+    /// pool counts the unused cached blocks the plan takes as taken, and the
+    /// blocks taken from the cache as held.
     fn capacity_shortfall(&self, plan: &[Planned]) -> Option<String> {
         let bs = self.block_size;
         let check = |pool: &BlockPool,
                      name: &str,
-                     recyclable: usize,
-                     held: &dyn Fn(&Sequence) -> usize|
+                     available: usize,
+                     held: &dyn Fn(&Sequence, &Planned) -> usize|
          -> Option<String> {
-            let available = pool.num_available() + recyclable;
             let mut taken = 0;
             for p in plan {
-                let held = self.seqs.get(&p.seq_id).map_or(0, held);
+                let held = self.seqs.get(&p.seq_id).map_or(0, |s| held(s, p));
                 let need = (p.start + p.q_len).div_ceil(bs).saturating_sub(held);
                 if taken + need > available {
                     return Some(format!(
@@ -617,7 +769,15 @@ impl BlockManager {
             }
             None
         };
-        if let Some(why) = check(&self.pool, "full-attention", 0, &|s| s.blocks.len()) {
+        // Unused cached blocks the plan takes leave the available ones.
+        let pinned: HashSet<u32> = plan
+            .iter()
+            .flat_map(|p| p.hits.iter().filter_map(|h| h.1))
+            .filter(|&b| self.pool.ref_count(b) == 0)
+            .collect();
+        let available = self.pool.num_available().saturating_sub(pinned.len());
+        let full_held = |s: &Sequence, p: &Planned| s.blocks.len() + p.hits.len();
+        if let Some(why) = check(&self.pool, "full-attention", available, &full_held) {
             return Some(why);
         }
         for (g, w) in self.windows.iter().enumerate() {
@@ -632,17 +792,18 @@ impl BlockManager {
                 })
                 .sum();
             let name = format!("window-{}", w.window);
-            if let Some(why) = check(&w.pool, &name, recyclable, &|s| s.window_blocks[g].len()) {
+            let available = w.pool.num_available() + recyclable;
+            let held = |s: &Sequence, _: &Planned| s.window_blocks[g].len();
+            if let Some(why) = check(&w.pool, &name, available, &held) {
                 return Some(why);
             }
         }
         None
     }
 
-    /// Appends the decoded token, advances `computed` and allocates the
-    /// blocks of one planned sequence, recording its previous lengths in
-    /// `undo` first.
-    fn commit(&mut self, p: &Planned, undo: &mut Vec<SeqUndo>) -> Result<()> {
+    /// Takes the cached blocks earlier batches computed for one planned
+    /// sequence, recording its previous lengths in `undo` first.
+    fn take_cached(&mut self, p: &Planned, undo: &mut Vec<SeqUndo>) -> Result<()> {
         let bs = self.block_size;
         let Some(seq) = self.seqs.get_mut(&p.seq_id) else {
             bail!("{OP}: sequence {} vanished while scheduling", p.seq_id);
@@ -654,17 +815,65 @@ impl BlockManager {
             blocks: seq.blocks.len(),
             hashes: seq.block_hashes.len(),
             window_blocks: seq.window_blocks.iter().map(Vec::len).collect(),
+            uncounted_hits: seq.uncounted_hits,
+            registered: Vec::new(),
         });
+        for &(hash, _) in p.hits.iter().take_while(|h| h.1.is_some()) {
+            let b = seq.block_hashes.len();
+            let toks = &seq.tokens[b * bs..(b + 1) * bs];
+            let Some(block) = self.pool.acquire_cached(hash, toks) else {
+                bail!(
+                    "{OP}: sequence {}: the cached block of its prompt block {b} vanished while scheduling",
+                    p.seq_id
+                );
+            };
+            seq.blocks.push(block);
+            seq.block_hashes.push(hash);
+            seq.computed += bs;
+        }
+        Ok(())
+    }
+
+    /// Takes the blocks earlier items of the batch compute, appends the
+    /// decoded token, advances `computed`, allocates and registers the
+    /// blocks of one planned sequence, whose state before the batch `undo`
+    /// holds.
+    fn commit(&mut self, p: &Planned, undo: &mut SeqUndo) -> Result<()> {
+        let bs = self.block_size;
+        let Some(seq) = self.seqs.get_mut(&p.seq_id) else {
+            bail!("{OP}: sequence {} vanished while scheduling", p.seq_id);
+        };
+        for &(hash, _) in p.hits.iter().filter(|h| h.1.is_none()) {
+            let b = seq.block_hashes.len();
+            let toks = &seq.tokens[b * bs..(b + 1) * bs];
+            let Some(block) = self.pool.acquire_cached(hash, toks) else {
+                bail!(
+                    "{OP}: sequence {}: its prompt block {b} was not registered by the item of the batch that computes it",
+                    p.seq_id
+                );
+            };
+            seq.blocks.push(block);
+            seq.block_hashes.push(hash);
+            seq.computed += bs;
+        }
+        if seq.computed != p.start {
+            bail!(
+                "{OP}: sequence {}: its cached prefix ends at {} but its planned work starts at {}",
+                p.seq_id,
+                seq.computed,
+                p.start
+            );
+        }
+        let hits = seq.uncounted_hits.saturating_add(p.hits.len() * bs);
+        self.hit_tokens = self.hit_tokens.saturating_add(hits);
+        seq.uncounted_hits = 0;
         if let Some(t) = p.token {
             seq.tokens.push(t);
         }
         seq.computed = p.start + p.q_len;
         let needed = seq.computed.div_ceil(bs);
         while seq.blocks.len() < needed {
-            let b = self.pool.allocate()?;
-            // A fresh allocation holds no registered prefix any more.
-            self.poisoned.remove(&b);
-            seq.blocks.push(b);
+            seq.blocks.push(self.pool.allocate()?);
         }
         for (g, w) in self.windows.iter_mut().enumerate() {
             while seq.window_blocks[g].len() < needed {
@@ -672,14 +881,14 @@ impl BlockManager {
             }
         }
         if self.prefix_caching {
+            // Full blocks: `b < computed / bs <= blocks.len()`.
             for b in seq.block_hashes.len()..seq.computed / bs {
                 let toks = &seq.tokens[b * bs..(b + 1) * bs];
                 let hash = block_hash(seq.block_hashes.last().copied(), toks);
                 let block = seq.blocks[b];
                 self.pool.register(block, hash, toks);
-                if self.poisoned.get(&block) == Some(&hash) {
-                    // This batch computes the block again.
-                    self.poisoned.remove(&block);
+                if self.pool.lookup(hash, toks) == Some(block) {
+                    undo.registered.push(block);
                 }
                 seq.block_hashes.push(hash);
             }
@@ -755,9 +964,12 @@ impl BlockManager {
             seq_ids: plan.iter().map(|p| p.seq_id).collect(),
             last_rows,
             ready,
+            prefix_hits: plan.iter().map(|p| p.hits.len() * bs).collect(),
             undo: BatchUndo {
                 id: 0,
                 seqs: Vec::new(),
+                hit_tokens: 0,
+                peak_used: 0,
             },
         })
     }
@@ -781,6 +993,34 @@ impl BlockManager {
     /// unused cached ones).
     pub fn num_free_blocks(&self) -> usize {
         self.pool.num_available()
+    }
+
+    /// Blocks of the full-attention pool (each full-attention layer's cache).
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    /// Full-attention blocks held by sequences (shared ones once):
+    /// [`num_blocks`](Self::num_blocks) minus
+    /// [`num_free_blocks`](Self::num_free_blocks).
+    pub fn num_used_blocks(&self) -> usize {
+        self.pool
+            .num_blocks()
+            .saturating_sub(self.pool.num_available())
+    }
+
+    /// The most full-attention blocks in use right after a scheduled batch
+    /// (rolled-back batches excluded): the cache a run actually needed.
+    pub fn peak_used_blocks(&self) -> usize {
+        self.peak_used
+    }
+
+    /// Prompt tokens whose keys and values scheduled batches took from the
+    /// prefix cache instead of computing them (rolled-back batches
+    /// excluded); a sequence's hits count once its first batch is
+    /// scheduled.
+    pub fn prefix_cache_hit_tokens(&self) -> usize {
+        self.hit_tokens
     }
 
     /// Blocks window group `group` can still hand out.
@@ -829,10 +1069,14 @@ impl BlockManager {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Planned {
     seq_id: u64,
+    /// First position computed (after the blocks taken from the cache).
     start: usize,
     q_len: usize,
     token: Option<u32>,
+    /// Blocks taken from the prefix cache first, by hash: `Some(block)`
+    /// computed by an earlier batch, `None` by an earlier item of this one.
+    hits: Vec<(u64, Option<u32>)>,
 }

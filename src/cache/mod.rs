@@ -3,9 +3,11 @@
 //! * [`LayerKvCache`]: one layer's key and value caches,
 //!   `(num_blocks, block_size, num_kv_heads, head_size)`, and
 //!   [`num_blocks_for_budget`] to size them from a memory budget.
-//! * [`BlockManager`]: which blocks each sequence owns. It admits sequences
-//!   (sharing cached prompt blocks when prefix caching is on), allocates
-//!   blocks as prefill chunks and decodes are scheduled, recycles blocks that
+//! * [`BlockManager`]: which blocks each sequence owns. It admits sequences,
+//!   allocates blocks as prefill chunks and decodes are scheduled (with
+//!   prefix caching, a prefill first takes the cached blocks of its prompt,
+//!   including those another sequence computes in the same batch, and
+//!   counts the tokens it reuses), recycles blocks that
 //!   fell out of a sliding window, frees them when a sequence finishes, and
 //!   builds the [`AttentionMetadata`](crate::AttentionMetadata) of each
 //!   scheduled batch.

@@ -79,6 +79,31 @@ impl BlockPool {
         self.ref_counts.get(block as usize).copied().unwrap_or(0)
     }
 
+    /// The cached block holding `tokens` under `hash`, if there is one
+    /// (nothing is taken).
+    pub(crate) fn lookup(&self, hash: u64, tokens: &[u32]) -> Option<u32> {
+        let &block = self.by_hash.get(&hash)?;
+        let c = self.cached.get(block as usize)?.as_ref()?;
+        (*c.tokens == *tokens).then_some(block)
+    }
+
+    /// Forgets the prefix `block` is registered under (its content is not
+    /// what the hash says); an unused block goes back to the free list.
+    pub(crate) fn unregister(&mut self, block: u32) {
+        let b = block as usize;
+        let Some(c) = self.cached.get_mut(b).and_then(Option::take) else {
+            return;
+        };
+        self.by_hash.remove(&c.hash);
+        if self.ref_counts.get(b) == Some(&0) {
+            // Unused and cached: it sits in `evictable` under its release time.
+            if let Some(t) = self.released_at.get(b) {
+                self.evictable.remove(t);
+            }
+            self.free.push_back(block);
+        }
+    }
+
     /// Takes a block: a free one, else the least recently released cached one
     /// (whose prefix is forgotten).
     pub(crate) fn allocate(&mut self) -> Result<u32> {

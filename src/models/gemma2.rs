@@ -10,7 +10,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Activation, Embedding, Linear, VarBuilder};
 
-use super::layers::{softcap, GatedMlp, GemmaRmsNorm};
+use super::layers::{softcap, FusedLinear, GatedMlp, GemmaRmsNorm};
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
@@ -91,9 +91,8 @@ impl Config {
 /// The q/k/v/o projections and the paged attention of one Gemma layer.
 #[derive(Clone, Debug)]
 pub(crate) struct GemmaAttention {
-    pub(crate) q_proj: Linear,
-    pub(crate) k_proj: Linear,
-    pub(crate) v_proj: Linear,
+    /// `q_proj`, `k_proj` and `v_proj` as one matmul.
+    pub(crate) qkv_proj: FusedLinear,
     pub(crate) o_proj: Linear,
     /// Gemma 3's per-head norms of q and k (before the rotation).
     pub(crate) qk_norms: Option<(GemmaRmsNorm, GemmaRmsNorm)>,
@@ -120,7 +119,6 @@ impl GemmaAttention {
         vb: VarBuilder,
     ) -> Result<Self> {
         let (h, kvh, d) = (s.num_heads, s.num_kv_heads, s.head_dim);
-        let linear = |i, o, name| candle_nn::linear_b(i, o, s.bias, vb.pp(name));
         let qk_norms = match s.qk_norm_eps {
             Some(eps) => Some((
                 GemmaRmsNorm::new(d, eps, vb.pp("q_norm"))?,
@@ -141,11 +139,10 @@ impl GemmaAttention {
                 ..Default::default()
             },
         )?;
+        let qkv = [("q_proj", h * d), ("k_proj", kvh * d), ("v_proj", kvh * d)];
         Ok(Self {
-            q_proj: linear(s.hidden_size, h * d, "q_proj")?,
-            k_proj: linear(s.hidden_size, kvh * d, "k_proj")?,
-            v_proj: linear(s.hidden_size, kvh * d, "v_proj")?,
-            o_proj: linear(h * d, s.hidden_size, "o_proj")?,
+            qkv_proj: FusedLinear::load(s.hidden_size, &qkv, s.bias, &vb)?,
+            o_proj: candle_nn::linear_b(h * d, s.hidden_size, s.bias, vb.pp("o_proj"))?,
             qk_norms,
             attn,
         })
@@ -165,15 +162,13 @@ impl GemmaAttention {
             self.attn.head_size(),
         );
         let n = x.dim(0)?;
-        let mut q = x.apply(&self.q_proj)?;
-        let mut k = x.apply(&self.k_proj)?;
+        let [mut q, mut k, v] = self.qkv_proj.forward(x)?;
         if let Some((q_norm, k_norm)) = &self.qk_norms {
             q = q.reshape((n, h, d))?.apply(q_norm)?;
             k = k.reshape((n, kvh, d))?.apply(k_norm)?;
         }
         let q = rotary.apply(&q, h)?;
         let k = rotary.apply(&k, kvh)?;
-        let v = x.apply(&self.v_proj)?;
         self.attn
             .forward(&q, &k, &v, cache, metadata)?
             .apply(&self.o_proj)

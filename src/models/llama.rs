@@ -3,6 +3,8 @@
 //! candle-transformers 0.11.1's `llama` with its concatenated KV cache and
 //! mask tensors replaced by [`Attention`] over a [`PagedKvCache`]: GQA, tied
 //! embeddings and Llama 3 rope scaling as candle-transformers supports them.
+//! The q/k/v projections are concatenated into one matmul at load time, and
+//! so are gate/up (Gemma 2/3 do the same).
 //! The configuration types are candle-transformers' own.
 
 use std::f32::consts::PI;
@@ -14,7 +16,7 @@ pub use candle_transformers::models::llama::{
     Config, Llama3RopeConfig, Llama3RopeType, LlamaConfig, LlamaEosToks,
 };
 
-use super::layers::GatedMlp;
+use super::layers::{FusedLinear, GatedMlp};
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
@@ -55,9 +57,8 @@ pub fn inv_freq(cfg: &Config) -> Vec<f32> {
 
 #[derive(Clone, Debug)]
 struct SelfAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// `q_proj`, `k_proj` and `v_proj` as one matmul.
+    qkv_proj: FusedLinear,
     o_proj: Linear,
     attn: Attention,
 }
@@ -66,7 +67,6 @@ impl SelfAttention {
     fn load(cfg: &Config, options: PagedOptions, vb: VarBuilder) -> Result<Self> {
         let (heads, kv_heads) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let head_dim = cfg.hidden_size / heads;
-        let linear = |i, o, name| candle_nn::linear_no_bias(i, o, vb.pp(name));
         let attn = Attention::new(
             heads,
             kv_heads,
@@ -78,11 +78,14 @@ impl SelfAttention {
                 ..Default::default()
             },
         )?;
+        let qkv = [
+            ("q_proj", heads * head_dim),
+            ("k_proj", kv_heads * head_dim),
+            ("v_proj", kv_heads * head_dim),
+        ];
         Ok(Self {
-            q_proj: linear(cfg.hidden_size, heads * head_dim, "q_proj")?,
-            k_proj: linear(cfg.hidden_size, kv_heads * head_dim, "k_proj")?,
-            v_proj: linear(cfg.hidden_size, kv_heads * head_dim, "v_proj")?,
-            o_proj: linear(heads * head_dim, cfg.hidden_size, "o_proj")?,
+            qkv_proj: FusedLinear::load(cfg.hidden_size, &qkv, false, &vb)?,
+            o_proj: candle_nn::linear_no_bias(heads * head_dim, cfg.hidden_size, vb.pp("o_proj"))?,
             attn,
         })
     }
@@ -95,9 +98,9 @@ impl SelfAttention {
         cache: &crate::cache::LayerKvCache,
         metadata: &AttentionMetadata,
     ) -> Result<Tensor> {
-        let q = rotary.apply(&x.apply(&self.q_proj)?, self.attn.num_heads())?;
-        let k = rotary.apply(&x.apply(&self.k_proj)?, self.attn.num_kv_heads())?;
-        let v = x.apply(&self.v_proj)?;
+        let [q, k, v] = self.qkv_proj.forward(x)?;
+        let q = rotary.apply(&q, self.attn.num_heads())?;
+        let k = rotary.apply(&k, self.attn.num_kv_heads())?;
         self.attn
             .forward(&q, &k, &v, cache, metadata)?
             .apply(&self.o_proj)

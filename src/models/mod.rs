@@ -32,7 +32,10 @@ use candle_core::{DType, Device, Result, Tensor};
 use crate::attention::{Attention, KvCacheDtype};
 use crate::metadata::AttentionMetadata;
 
-pub use kv_cache::{CacheConfig, PagedKvCache};
+pub use kv_cache::{
+    CacheConfig, CacheFootprint, CachePlan, CacheSizing, MemoryProfile, PagedKvCache,
+    DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION,
+};
 pub use rotary::{Rotary, RotaryEmbedding};
 
 /// Paging options shared by every attention layer of a model.

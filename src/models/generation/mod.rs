@@ -7,4 +7,6 @@ mod sampling;
 mod scheduler;
 
 pub use sampling::{Sampler, SamplingParams};
-pub use scheduler::{Completion, Engine, FinishReason, Request, SchedulerConfig, TokenEvent};
+pub use scheduler::{
+    Completion, Engine, EngineStats, FinishReason, Request, SchedulerConfig, TokenEvent,
+};

@@ -148,13 +148,45 @@ impl Sequence {
     }
 }
 
+/// What an engine has done so far (see [`Engine::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Steps whose forward pass succeeded.
+    pub steps: usize,
+    /// Prompt tokens computed (tokens recomputed after a preemption
+    /// included, tokens taken from the prefix cache excluded).
+    pub prefill_tokens: usize,
+    /// Tokens decoded (one per sequence and decode step).
+    pub decode_tokens: usize,
+    /// Prompt tokens taken from the prefix cache instead of computed.
+    pub prefix_cache_hit_tokens: usize,
+    /// Times a running sequence was preempted (its blocks freed, its tokens
+    /// recomputed later).
+    pub preemptions: usize,
+    /// The most full-attention blocks in use at once during a step (shared
+    /// blocks once).
+    pub peak_used_blocks: usize,
+    /// Full-attention blocks in the cache.
+    pub num_blocks: usize,
+}
+
 /// What a successful forward pass hands to the sampling of a step.
 struct StepLogits {
-    /// Argmax of every logit row (empty when no sequence is greedy).
-    argmax: Vec<u32>,
+    /// The argmax of each greedy sequence's logit row, by logit row.
+    argmax: Vec<Option<u32>>,
     /// The logit rows of the sampled (non-greedy) sequences, on the host,
     /// by logit row.
     sampled: Vec<Option<Tensor>>,
+}
+
+/// Rows `idx` of `(rows, vocab)` `logits`: a view of all of them when `idx`
+/// lists every row in order, else one gather on the logits' device.
+fn pick_rows(logits: &Tensor, idx: &[usize]) -> Result<Tensor> {
+    if idx.iter().copied().eq(0..logits.dim(0)?) {
+        return Ok(logits.clone());
+    }
+    let ids: Vec<u32> = idx.iter().map(|&r| r as u32).collect();
+    logits.index_select(&Tensor::new(ids, logits.device())?, 0)
 }
 
 /// Runs requests through a [`PagedModel`] with continuous batching.
@@ -165,6 +197,14 @@ struct StepLogits {
 /// the cache runs out of blocks, the newest admission is put back or the
 /// newest running sequence is preempted (its blocks freed, its prompt and
 /// generated tokens recomputed later).
+///
+/// With prefix caching (the cache's [`CacheConfig`](crate::models::CacheConfig)),
+/// a prefill takes the cached blocks of its prompt when it is scheduled,
+/// including those an earlier sequence computes in the same step (see
+/// [`BlockManager`]): prompts submitted together compute a shared prefix
+/// once. Prefill chunks are budgeted after the blocks cached by earlier
+/// steps, and admission counts the blocks a prompt shares with running
+/// sequences as free. [`stats`](Self::stats) counts the tokens reused.
 ///
 /// # Failures
 /// * [`add_request`](Self::add_request) refuses what can never run: invalid
@@ -197,6 +237,9 @@ pub struct Engine<'m, M: PagedModel + ?Sized> {
     steps: usize,
     /// Requests finished so far (in any way but an abort).
     finished: usize,
+    stats: EngineStats,
+    /// The block manager's hit counter when `stats` was last reset.
+    hits_base: usize,
 }
 
 impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
@@ -219,6 +262,8 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             completions: Vec::new(),
             steps: 0,
             finished: 0,
+            stats: EngineStats::default(),
+            hits_base: 0,
         })
     }
 
@@ -338,6 +383,29 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// The block manager (which blocks each running sequence holds).
     pub fn block_manager(&self) -> &BlockManager {
         &self.manager
+    }
+
+    /// Counters of the steps run since the engine was built or
+    /// [`reset_stats`](Self::reset_stats) was last called.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            prefix_cache_hit_tokens: self
+                .manager
+                .prefix_cache_hit_tokens()
+                .saturating_sub(self.hits_base),
+            num_blocks: self.manager.num_blocks(),
+            ..self.stats
+        }
+    }
+
+    /// Starts the counters of [`stats`](Self::stats) afresh (after a
+    /// warm-up, say); the peak block use restarts from the blocks in use now.
+    pub fn reset_stats(&mut self) {
+        self.stats = EngineStats {
+            peak_used_blocks: self.manager.num_used_blocks(),
+            ..EngineStats::default()
+        };
+        self.hits_base = self.manager.prefix_cache_hit_tokens();
     }
 
     /// Finished requests, in the order they finished (drained).
@@ -462,7 +530,13 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             let Some(seq) = self.waiting.front() else {
                 break;
             };
-            let need = seq.context_len().div_ceil(bs);
+            // Cached blocks other sequences use are shared, not taken.
+            let shared = if self.cache.config().prefix_caching {
+                self.manager.shared_prefix_blocks(&seq.context())
+            } else {
+                0
+            };
+            let need = seq.context_len().div_ceil(bs).saturating_sub(shared);
             // The first admission of an empty batch always tries, so that a
             // sequence too large for the cache ends with an error instead of
             // waiting forever.
@@ -507,6 +581,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         self.manager.free(seq.request.id)?;
         seq.pending = None;
         seq.preemptions += 1;
+        self.stats.preemptions += 1;
         self.waiting.push_front(seq);
         Ok(())
     }
@@ -553,7 +628,14 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             let id = seq.request.id;
             let total = self.manager.tokens(id).map_or(0, |t| t.len());
             let done = self.manager.num_computed(id).unwrap_or(total);
-            let n = total.saturating_sub(done).min(budget).min(chunk_limit);
+            // Blocks cached by earlier steps are taken, not computed: they
+            // cost no budget. (Blocks that earlier items of this step compute
+            // are taken too, leaving part of this item's budget unused.)
+            let cached = self.manager.cached_prefix_len(id);
+            let n = total
+                .saturating_sub(done.saturating_add(cached))
+                .min(budget)
+                .min(chunk_limit);
             if n > 0 {
                 work.push(Work::Prefill {
                     seq_id: id,
@@ -601,20 +683,25 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                     .is_none_or(|s| s.sampler.is_greedy())
             })
             .collect();
+        let (greedy_rows, sampled_rows): (Vec<usize>, Vec<usize>) =
+            (0..rows.len()).partition(|&r| greedy[r]);
         // Greedy rows take their argmax on the logits' device in one pass
         // and one copy, instead of one copy of a vocabulary row per sequence.
-        let argmax: Vec<u32> = if greedy.iter().any(|&g| g) {
-            logits.argmax(D::Minus1)?.to_vec1()?
-        } else {
-            Vec::new()
-        };
+        let mut argmax = vec![None; rows.len()];
+        if !greedy_rows.is_empty() {
+            let tokens: Vec<u32> = pick_rows(&logits, &greedy_rows)?
+                .argmax(D::Minus1)?
+                .to_vec1()?;
+            for (&r, t) in greedy_rows.iter().zip(tokens) {
+                argmax[r] = Some(t);
+            }
+        }
+        // Sampled rows come to the host in one copy, without the greedy ones.
         let mut sampled = vec![None; rows.len()];
-        if greedy.iter().any(|&g| !g) {
-            let host = logits.to_device(&Device::Cpu)?;
-            for (r, g) in greedy.iter().enumerate() {
-                if !g {
-                    sampled[r] = Some(host.get(r)?);
-                }
+        if !sampled_rows.is_empty() {
+            let host = pick_rows(&logits, &sampled_rows)?.to_device(&Device::Cpu)?;
+            for (j, &r) in sampled_rows.iter().enumerate() {
+                sampled[r] = Some(host.get(j)?);
             }
         }
         Ok(StepLogits { argmax, sampled })
@@ -637,6 +724,22 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         };
         // The step is committed: nothing below fails for a reason no request owns.
         self.steps += 1;
+        let decodes = batch
+            .seq_ids
+            .iter()
+            .filter(|id| {
+                self.running
+                    .iter()
+                    .any(|s| s.request.id == **id && s.pending.is_some())
+            })
+            .count();
+        self.stats.steps += 1;
+        self.stats.decode_tokens += decodes;
+        self.stats.prefill_tokens += batch.token_ids.len().saturating_sub(decodes);
+        self.stats.peak_used_blocks = self
+            .stats
+            .peak_used_blocks
+            .max(self.manager.num_used_blocks());
         for seq in &mut self.running {
             if batch.seq_ids.contains(&seq.request.id) {
                 seq.pending = None;
@@ -649,7 +752,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             let Some(seq) = self.running.iter_mut().find(|s| s.request.id == id) else {
                 bail!("{OP}: scheduled sequence {id} is not running");
             };
-            let token = match (&logits.sampled[r], logits.argmax.get(r)) {
+            let token = match (&logits.sampled[r], logits.argmax.get(r).copied().flatten()) {
                 (Some(row), _) => match seq.sampler.sample(row) {
                     Ok(t) => t,
                     Err(e) => {
@@ -659,7 +762,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                         continue;
                     }
                 },
-                (None, Some(&t)) => t,
+                (None, Some(t)) => t,
                 (None, None) => bail!("{OP}: no logits were read for request {id}"),
             };
             seq.generated.push(token);
