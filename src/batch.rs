@@ -6,6 +6,8 @@
 //! tensors. Every O(batch) check runs once, when the value is built; an op
 //! call only compares a few precomputed maxima with the cache shape, so the
 //! CUDA path never copies index data back to the host.
+//!
+//! A leaf: imports nothing from this crate.
 
 use std::ops::Range;
 use std::sync::Arc;

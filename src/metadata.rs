@@ -2,10 +2,13 @@
 //! share, passed explicitly to each layer (no global context).
 //!
 //! It is built once per batch (usually by
-//! [`BlockManager::schedule`](crate::cache::BlockManager::schedule)); the
+//! [`BlockManager::schedule`](crate::BlockManager::schedule)); the
 //! O(batch) validation and uploads happen then. Layers only select a view:
 //! the full tables, a sliding-window group's tables, or a chunked-local
 //! remap, which is built on first use per chunk size and cached here.
+//!
+//! Imports `batch`, `remap` and `cache` (for docs only); must not import
+//! `ops`, `params`, the backends, `attention` or `models`.
 
 use std::collections::HashMap;
 use std::ops::Range;

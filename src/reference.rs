@@ -43,6 +43,9 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! Imports nothing from this crate (it links to the op in docs only); the
+//! library code must not call it: it is an oracle, not a backend.
 
 use std::ops::Range;
 

@@ -4,6 +4,9 @@
 //! module loaded once per device through
 //! `CudaDevice::get_or_load_custom_func`. Launches go on candle's stream.
 //! This is the only place in the crate with raw kernel launches.
+//!
+//! Imports `params` (and `batch` through it); must not import `ops` (which
+//! calls it) or `cpu`.
 
 pub(crate) mod paged_attention;
 pub(crate) mod reshape_and_cache;

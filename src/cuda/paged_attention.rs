@@ -20,6 +20,8 @@
 //! device-to-host copy and, once the workspace is large enough, no
 //! allocation besides its output, so it can be captured in a CUDA graph
 //! (`examples/bench.rs` times graph replays).
+//!
+//! Imports `params`; never `ops` or `cpu`.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -35,7 +37,7 @@ use super::{
     cuda_storage, device_address, device_limits, fill_nan, function, optional_address,
     poison_outputs, ptx, ATTENTION_MODULE,
 };
-use crate::ops::paged_attention::{AttentionDims, KvSplit, PagedAttentionParams};
+use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
 
 const OP: &str = "paged-attention";
 
@@ -103,7 +105,9 @@ unsafe impl DeviceRepr for AttnParams {}
 enum Kind {
     /// 16 packed rows, 4 warps splitting 64 keys per tile.
     Decode,
-    /// 64 packed rows (4 warps x 16), 1 warp per key tile.
+    /// 128 packed rows (8 warps x 16) by default; 64 rows (4 warps x 16)
+    /// when the launch has less than a wave of programs and for head sizes
+    /// above 128. One warp per key tile.
     Prefill,
 }
 
@@ -388,8 +392,8 @@ fn workspaces() -> &'static Mutex<HashMap<DeviceId, Workspace>> {
     W.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// The device address of an optional f32 tensor (0 when absent), made
-/// contiguous first.
+/// A contiguous copy (or the tensor itself when already contiguous) of an
+/// optional f32 tensor; its device address is taken later, at launch.
 fn contiguous(t: &Option<Tensor>) -> Result<Option<Tensor>> {
     t.as_ref().map(|t| t.contiguous()).transpose()
 }
@@ -484,11 +488,7 @@ fn launch(
     let sinks_a = optional_address(&sinks_g, OP, "sinks", &stream)?;
     let qq_a = optional_address(&qq_g, OP, "qq_bias", &stream)?;
 
-    let kv_scales = if cache_fp8 {
-        params.kv_scales
-    } else {
-        crate::ops::KvScales::default()
-    };
+    let kv_scales = params.effective_kv_scales();
     let out_bytes = n_out * if out_fp8 { 1 } else { q_dtype.size_in_bytes() };
     if poison_outputs() {
         fill_nan(out_addr, out_bytes, &stream)?;
