@@ -167,7 +167,7 @@ fn store<O: Elem + WithDType>(
         .collect();
     let mut out = vec![O::from_f32(0.0); num_tokens * num_heads * head_size];
     for (item, rows) in items.iter().zip(&results) {
-        let first_token = problem.host.cu_seqlens_q[item.seq] as usize + item.row_start;
+        let first_token = problem.host.cu_seqlens_q()[item.seq] as usize + item.row_start;
         for (r, row) in rows.chunks_exact(group * head_size).enumerate() {
             let base = ((first_token + r) * num_heads + item.kv_head * group) * head_size;
             for (dst, &x) in out[base..base + row.len()].iter_mut().zip(row) {
@@ -224,15 +224,15 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
     let num_heads = p.dims.num_heads;
     let kv_row = p.dims.num_kv_heads * d;
     let block_size = p.dims.block_size;
-    let seq_len = host.seq_lens[item.seq] as usize;
+    let seq_len = host.seq_lens()[item.seq] as usize;
     let q_len = host.q_len(item.seq);
     let context_len = seq_len - q_len;
-    let first_token = host.cu_seqlens_q[item.seq] as usize + item.row_start;
+    let first_token = host.cu_seqlens_q()[item.seq] as usize + item.row_start;
     let rows = item.row_end - item.row_start;
     let nq = rows * group;
     let table = host.block_table(item.seq);
     let ranges: &[std::ops::Range<u32>] = host
-        .prefix_ranges
+        .prefix_ranges()
         .get(item.seq)
         .map_or(&[], |r| r.as_slice());
 

@@ -283,7 +283,7 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
         None => prefill_programs < 2 * sms,
     };
     let prefill = tile_shape(Kind::Prefill, head, small);
-    let parts = if host.max_seqlen_q <= fits {
+    let parts = if host.max_seqlen_q() <= fits {
         [Some(part(Kind::Decode, decode, dims, n, all)), None]
     } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
         [
@@ -314,7 +314,7 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
             }
         }
         (KvSplit::Auto, [Some(p), None]) if host.is_pure_decode() => {
-            p.segments = auto_segments(p, n, host.max_seqlen_k);
+            p.segments = auto_segments(p, n, host.max_seqlen_k());
         }
         (KvSplit::Auto, [Some(d), Some(_)]) => {
             // A mixed batch: only the decode-shaped launch splits; its
@@ -325,7 +325,7 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
                 .collect();
             let max_keys = decode_seqs
                 .iter()
-                .map(|&i| host.seq_lens[i] as usize)
+                .map(|&i| host.seq_lens()[i] as usize)
                 .max()
                 .unwrap_or(0);
             d.segments = auto_segments(d, decode_seqs.len(), max_keys);
@@ -524,7 +524,7 @@ fn launch(
         num_kv_heads: check_i32("num_kv_heads", dims.num_kv_heads)?,
         head_size: hs as i32,
         block_size: check_i32("block_size", dims.block_size)?,
-        block_table_width: check_i32("block_table_width", host.block_table_width)?,
+        block_table_width: check_i32("block_table_width", host.block_table_width())?,
         max_ranges: ranges_t
             .as_ref()
             .map_or(Ok(0), |t| check_i32("max_ranges", t.dims()[1]))?,
@@ -547,7 +547,7 @@ fn launch(
         v_scale: kv_scales.v_scale,
         out_inv_scale: params.output_scale.map_or(1.0, |s| 1.0 / s),
     };
-    check_i32("max_seqlen_k", host.max_seqlen_k)?;
+    check_i32("max_seqlen_k", host.max_seqlen_k())?;
 
     let cache_suffix = if cache_fp8 { "_fp8" } else { "" };
     if q_dtype == DType::F32 {

@@ -109,13 +109,13 @@ impl PagedAttentionParams {
                 host.num_tokens()
             );
         }
-        if host.block_size != block_size {
+        if host.block_size() != block_size {
             bail!(
                 "{OP}: the batch was built for block_size {} but the cache has block_size {block_size}",
-                host.block_size
+                host.block_size()
             );
         }
-        if let Some(id) = host.max_block_id {
+        if let Some(id) = host.max_block_id() {
             if id as usize >= num_blocks {
                 bail!("{OP}: block_tables holds block id {id} >= num_blocks {num_blocks}");
             }
@@ -150,10 +150,10 @@ impl PagedAttentionParams {
                     b.dims()
                 );
             };
-            if rows < host.max_seqlen_q {
+            if rows < host.max_seqlen_q() {
                 bail!(
                     "{OP}: qq_bias has {rows} rows but the longest query span is {}",
-                    host.max_seqlen_q
+                    host.max_seqlen_q()
                 );
             }
         }
