@@ -8,6 +8,7 @@
 //! Imports `params` (and `batch` through it); must not import `ops` (which
 //! calls it) or `cpu`.
 
+pub(crate) mod contract;
 pub(crate) mod paged_attention;
 pub(crate) mod reshape_and_cache;
 

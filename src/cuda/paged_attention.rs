@@ -33,6 +33,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
+use super::contract::AttnParams;
 use super::{
     cuda_storage, device_address, device_limits, fill_nan, function, optional_address,
     poison_outputs, ptx, ATTENTION_MODULE,
@@ -47,58 +48,6 @@ pub(crate) const MAX_SEGMENTS: usize = 256;
 const HEAD_SIZES: [usize; 5] = [32, 64, 128, 256, 512];
 /// Threads of every attention program (4 warps).
 const THREADS: u32 = 128;
-
-/// The kernels' parameter block; mirrors `cpa::AttnParams` in
-/// kernels/attention_params.cuh field by field (8-byte fields first).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct AttnParams {
-    q: u64,
-    k_cache: u64,
-    v_cache: u64,
-    out: u64,
-    cu_seqlens_q: u64,
-    seq_lens: u64,
-    block_tables: u64,
-    prefix_ranges: u64,
-    alibi_slopes: u64,
-    sinks: u64,
-    qq_bias: u64,
-    ws_acc: u64,
-    ws_ml: u64,
-    block_stride: i64,
-    num_seqs: i32,
-    num_tokens: i32,
-    num_heads: i32,
-    num_kv_heads: i32,
-    head_size: i32,
-    block_size: i32,
-    block_table_width: i32,
-    max_ranges: i32,
-    qq_rows: i32,
-    qq_cols: i32,
-    sliding_window: i32,
-    num_segments: i32,
-    out_fp8: i32,
-    vec_loads: i32,
-    group_entries: i32,
-    head_chunks: i32,
-    q_len_min: i32,
-    q_len_max: i32,
-    ws_seq_rows: i32,
-    seq_programs: i32,
-    scale: f32,
-    softcap: f32,
-    v_scale: f32,
-    out_inv_scale: f32,
-}
-
-const _: () = assert!(std::mem::size_of::<AttnParams>() == 208);
-
-// SAFETY: a `#[repr(C)]` block of integers and floats whose layout matches
-// the kernels' `AttnParams` (checked by the size assertion above); it is
-// passed by value as the only kernel parameter.
-unsafe impl DeviceRepr for AttnParams {}
 
 /// Program shape of the tensor-core kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
