@@ -146,7 +146,9 @@ fn device_limits(dev: &CudaDevice) -> Result<(usize, usize)> {
 
 /// True when `CANDLE_PAGED_ATTENTION_POISON` is set: outputs are filled with
 /// NaN before the kernels run, so that an element the kernels fail to write
-/// shows up in tests.
+/// shows up in tests. Read at every call (a `getenv`, negligible next to a
+/// launch): examples/bench.rs turns it on for one checked call and off for
+/// the timed ones.
 fn poison_outputs() -> bool {
     std::env::var_os("CANDLE_PAGED_ATTENTION_POISON").is_some_and(|v| !v.is_empty() && v != "0")
 }

@@ -28,7 +28,7 @@ use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
@@ -294,12 +294,15 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
 
 /// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64|128` forces the prefill tile's
 /// packed rows (up to head size 128), so that tests cover both instances
-/// whatever the batch size.
+/// whatever the batch size. Read once per process.
 fn prefill_tile_override() -> Option<usize> {
-    std::env::var("CANDLE_PAGED_ATTENTION_PREFILL_ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&rows| rows == 64 || rows == 128)
+    static ROWS: OnceLock<Option<usize>> = OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("CANDLE_PAGED_ATTENTION_PREFILL_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&rows| rows == 64 || rows == 128)
+    })
 }
 
 /// Programs of one instance resident on one SM: the shared-memory limit
@@ -508,13 +511,10 @@ fn launch(
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        check_grid_yz(cfg.grid_dim)?;
-        let mut b = stream.launch_builder(&func);
-        b.arg(&p);
         // SAFETY: every address in `p` points into a live allocation of this
         // device whose extent validation checked against the sizes in `p`;
         // the guards keep them alive and ordered until after the launch.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { launch_attention(&stream, &func, cfg, &p) }?;
         return Ok(());
     }
     let dtype_name = match q_dtype {
@@ -614,15 +614,12 @@ fn launch(
             block_dim: ((32 * part.tile.warps_m * part.tile.warps_n) as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        check_grid_yz(cfg.grid_dim)?;
-        let mut b = stream.launch_builder(&func);
-        b.arg(&p);
         // SAFETY: every address in `p` points into a live allocation of this
         // device sized for the dimensions in `p` (validated on the host; the
         // workspace was grown to `ws_len` above); the guards keep them alive
         // and ordered until after the launch; `smem` matches the kernel's
         // layout. The parts write disjoint rows.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { launch_attention(&stream, &func, cfg, &p) }?;
     }
 
     if segments > 1 {
@@ -648,12 +645,9 @@ fn launch(
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        check_grid_yz(cfg.grid_dim)?;
-        let mut b = stream.launch_builder(&func);
-        b.arg(&p);
         // SAFETY: as above; the reduce reads the partials the attention
         // launch just wrote on the same stream.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { launch_attention(&stream, &func, cfg, &p) }?;
     }
     drop(ws_guard);
     Ok(())
@@ -690,6 +684,29 @@ fn alloc_output<T: CudaDType + DeviceRepr>(dev: &CudaDevice, n: usize) -> Result
     // reads it (poisoning, when on, fills it with NaN first).
     let slice = unsafe { dev.alloc::<T>(n)? };
     Ok(CudaStorage::wrap_cuda_slice(slice, dev.clone()))
+}
+
+/// The one launch sequence of the attention kernels: checks the grid, then
+/// launches `func` on `stream` with the parameter block `p` as its only
+/// argument.
+///
+/// # Safety
+/// Every address in `p` must point into a live allocation of the stream's
+/// device sized for the dimensions in `p`, kept alive and ordered (by the
+/// caller's storage guards) until after the launch, and
+/// `cfg.shared_mem_bytes` must match the kernel's shared-memory layout.
+unsafe fn launch_attention(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    p: &AttnParams,
+) -> Result<()> {
+    check_grid_yz(cfg.grid_dim)?;
+    let mut b = stream.launch_builder(func);
+    b.arg(p);
+    // SAFETY: the caller upholds this function's contract.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 fn check_grid_yz((x, y, z): (u32, u32, u32)) -> Result<()> {
