@@ -36,7 +36,7 @@ use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, T
 use super::contract::AttnParams;
 use super::{
     cuda_storage, device_address, device_limits, fill_nan, function, optional_address,
-    poison_outputs, ptx, ATTENTION_MODULE,
+    poison_outputs, ptx, DeviceLimits, ATTENTION_MODULE,
 };
 use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
 
@@ -206,7 +206,12 @@ fn part(
     }
 }
 
-fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Result<Plan> {
+fn plan(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    limits: &DeviceLimits,
+) -> Result<Plan> {
+    let sms = limits.sms;
     let host = params.batch.host();
     let Some(&head) = HEAD_SIZES.iter().find(|&&h| h >= dims.head_size) else {
         bail!(
@@ -249,7 +254,7 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
     // visible keys per segment.
     let auto_segments = |p: &Part, seqs: usize, max_keys: usize| {
         let active = seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
-        let slots = resident_programs(&p.tile, head, fp8) * sms;
+        let slots = resident_programs(&p.tile, head, fp8, limits) * sms;
         let keys = params.sliding_window.map_or(max_keys, |w| w.min(max_keys));
         choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
     };
@@ -305,11 +310,13 @@ fn prefill_tile_override() -> Option<usize> {
     })
 }
 
-/// Programs of one instance resident on one SM: the shared-memory limit
-/// (228 KiB per SM, 1 KiB reserved per program) and the register limit
-/// (the launch bounds the instance was compiled with).
-fn resident_programs(tile: &TileShape, head: usize, fp8: bool) -> usize {
-    let by_smem = (228 * 1024) / (smem_bytes(tile, head, fp8) + 1024);
+/// Programs of one instance resident on one SM: the device's shared memory
+/// per SM over the instance's bytes plus the driver's reservation per
+/// program, and the register limit (the launch bounds the instance was
+/// compiled with).
+fn resident_programs(tile: &TileShape, head: usize, fp8: bool, limits: &DeviceLimits) -> usize {
+    let by_smem =
+        limits.smem_per_sm / (smem_bytes(tile, head, fp8) + limits.reserved_smem_per_block);
     by_smem.min(tile.max_resident).max(1)
 }
 
@@ -334,8 +341,7 @@ fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
 }
 
 struct Workspace {
-    sms: usize,
-    max_smem: usize,
+    limits: DeviceLimits,
     buf: Option<CudaSlice<f32>>,
 }
 
@@ -528,16 +534,12 @@ fn launch(
         .map_err(|_| candle_core::Error::Msg(format!("{OP}: workspace lock poisoned")))?;
     let ws = match spaces.entry(dev.id()) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => {
-            let (sms, max_smem) = device_limits(&dev)?;
-            e.insert(Workspace {
-                sms,
-                max_smem,
-                buf: None,
-            })
-        }
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(Workspace {
+            limits: device_limits(&dev)?,
+            buf: None,
+        }),
     };
-    let plan = plan(params, dims, ws.sms)?;
+    let plan = plan(params, dims, &ws.limits)?;
     let segments = plan
         .parts
         .iter()
@@ -588,11 +590,11 @@ fn launch(
             part.tile.suffix
         );
         let smem = smem_bytes(&part.tile, plan.head, cache_fp8);
-        if smem > ws.max_smem {
+        if smem > ws.limits.max_smem_per_block {
             bail!(
                 "{OP}: head size {} needs {smem} bytes of shared memory per program, this device allows {}",
                 dims.head_size,
-                ws.max_smem
+                ws.limits.max_smem_per_block
             );
         }
         let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
@@ -664,8 +666,7 @@ pub(crate) fn describe(
     if q_dtype == DType::F32 {
         return Ok("scalar f32".to_string());
     }
-    let (sms, _) = device_limits(dev)?;
-    let plan = plan(params, dims, sms)?;
+    let plan = plan(params, dims, &device_limits(dev)?)?;
     let parts: Vec<String> = plan
         .parts
         .iter()
