@@ -71,6 +71,9 @@ pub use cache::{
     num_blocks_for_budget, BlockManager, BlockManagerConfig, LayerKvCache, ScheduledBatch,
     WindowGroupConfig, Work,
 };
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub use cuda::paged_attention::{kernel_instance_reports, KernelInstanceReport};
 pub use metadata::{AttentionMetadata, LayerBatch, WindowGroup};
 #[cfg(feature = "cuda")]
 pub use ops::paged_attention::cuda_launch_plan;

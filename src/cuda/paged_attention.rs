@@ -90,6 +90,10 @@ struct TileShape {
 }
 
 impl TileShape {
+    /// Threads per program (the `__launch_bounds__` of the instance).
+    fn threads(&self) -> usize {
+        32 * self.warps_m * self.warps_n
+    }
     /// Packed rows per program.
     fn rows(&self) -> usize {
         16 * self.m_tiles * self.warps_m
@@ -583,12 +587,7 @@ fn launch(
         p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
         p.num_segments = part.segments as i32;
         p.seq_programs = (part.kind == Kind::Decode) as i32;
-        let name = format!(
-            "unified_attention_h{}_{}{}_{dtype_name}{cache_suffix}",
-            plan.head,
-            part.kind.name(),
-            part.tile.suffix
-        );
+        let name = instance_name(plan.head, part.kind, &part.tile, dtype_name, cache_fp8);
         let smem = smem_bytes(&part.tile, plan.head, cache_fp8);
         if smem > ws.limits.max_smem_per_block {
             bail!(
@@ -613,7 +612,7 @@ fn launch(
                 (dims.num_kv_heads * part.head_chunks) as u32,
                 (part.segments * plan.dv_chunks) as u32,
             ),
-            block_dim: ((32 * part.tile.warps_m * part.tile.warps_n) as u32, 1, 1),
+            block_dim: (part.tile.threads() as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         // SAFETY: every address in `p` points into a live allocation of this
@@ -677,6 +676,90 @@ pub(crate) fn describe(
         })
         .collect();
     Ok(parts.join(" + "))
+}
+
+/// The kernel name of a tensor-core instance,
+/// `unified_attention_h{head}_{kind}{suffix}_{dtype}[_fp8]`: the one place
+/// this format lives on the Rust side (the `CPA_ATTN` macros of
+/// kernels/unified_attention.cu build the same names).
+fn instance_name(head: usize, kind: Kind, tile: &TileShape, dtype_name: &str, fp8: bool) -> String {
+    let cache_suffix = if fp8 { "_fp8" } else { "" };
+    format!(
+        "unified_attention_h{head}_{}{}_{dtype_name}{cache_suffix}",
+        kind.name(),
+        tile.suffix
+    )
+}
+
+/// One tensor-core kernel instance: what the launch plan assumes of it next
+/// to what the driver reports. Not part of the API: it exists so that a GPU
+/// test can check the plan's figures against the compiled kernels.
+#[doc(hidden)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelInstanceReport {
+    /// The kernel's name in the PTX module.
+    pub name: String,
+    /// Threads per program the launch uses.
+    pub planned_threads: usize,
+    /// Dynamic shared memory per program the launch requests (bytes).
+    pub planned_smem: usize,
+    /// Programs per SM the split-KV heuristic assumes.
+    pub planned_resident: usize,
+    /// `CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK` of the loaded kernel.
+    pub driver_max_threads: usize,
+    /// `CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES` (static shared memory; the
+    /// kernels use dynamic shared memory only, so 0 is expected).
+    pub driver_static_smem: usize,
+    /// Programs per SM from the occupancy API at the planned threads and
+    /// dynamic shared memory.
+    pub driver_resident: usize,
+}
+
+/// Every tensor-core kernel instance (each padded head size, program shape,
+/// query dtype and cache kind), loaded on `dev`, with the plan's and the
+/// driver's figures. Not part of the API (see [`KernelInstanceReport`]).
+#[doc(hidden)]
+pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceReport>> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute as F;
+    let limits = device_limits(dev)?;
+    let mut out: Vec<KernelInstanceReport> = Vec::new();
+    for &head in &HEAD_SIZES {
+        for (kind, small) in [
+            (Kind::Decode, false),
+            (Kind::Prefill, false),
+            (Kind::Prefill, true),
+        ] {
+            let tile = tile_shape(kind, head, small);
+            for dtype_name in ["bf16", "f16"] {
+                for fp8 in [false, true] {
+                    let name = instance_name(head, kind, &tile, dtype_name, fp8);
+                    if out.iter().any(|r| r.name == name) {
+                        // Above head size 128 the small prefill tile is the default one.
+                        continue;
+                    }
+                    let smem = smem_bytes(&tile, head, fp8);
+                    let threads = tile.threads();
+                    let func =
+                        function(dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
+                    let attr =
+                        |a| -> Result<usize> { Ok(func.get_attribute(a).w()?.max(0) as usize) };
+                    let resident = func
+                        .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+                        .w()?;
+                    out.push(KernelInstanceReport {
+                        planned_threads: threads,
+                        planned_smem: smem,
+                        planned_resident: resident_programs(&tile, head, fp8, &limits),
+                        driver_max_threads: attr(F::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
+                        driver_static_smem: attr(F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
+                        driver_resident: resident as usize,
+                        name,
+                    });
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// An uninitialised output buffer of `n` elements.
