@@ -2,7 +2,9 @@
 //! padded head size, program shape, query dtype and cache kind) against what
 //! the driver reports for the compiled kernel: threads per program, static
 //! shared memory and programs resident per SM (occupancy API at the planned
-//! threads and dynamic shared memory). GPU only.
+//! threads and dynamic shared memory). GPU only: without the `cuda`
+//! feature this binary is empty.
+#![cfg(feature = "cuda")]
 
 #[macro_use]
 mod common;
