@@ -11,6 +11,7 @@
 pub(crate) mod contract;
 pub(crate) mod paged_attention;
 pub(crate) mod reshape_and_cache;
+pub(crate) mod tiles;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};

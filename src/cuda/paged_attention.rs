@@ -34,6 +34,7 @@ use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
 use super::contract::AttnParams;
+use super::tiles::{smem_bytes, tile_shape, Kind, TileShape, HEAD_SIZES};
 use super::{
     cuda_storage, device_address, device_limits, fill_nan, function, optional_address,
     poison_outputs, ptx, DeviceLimits, ATTENTION_MODULE,
@@ -44,116 +45,8 @@ const OP: &str = "paged-attention";
 
 /// Most split-KV segments per (sequence, KV head).
 pub(crate) const MAX_SEGMENTS: usize = 256;
-/// Padded head sizes with a compiled kernel instance.
-const HEAD_SIZES: [usize; 5] = [32, 64, 128, 256, 512];
 /// Threads of every attention program (4 warps).
 const THREADS: u32 = 128;
-
-/// Program shape of the tensor-core kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    /// 16 packed rows, 4 warps splitting 64 keys per tile.
-    Decode,
-    /// 128 packed rows (8 warps x 16) by default; 64 rows (4 warps x 16)
-    /// when the launch has less than a wave of programs and for head sizes
-    /// above 128. One warp per key tile.
-    Prefill,
-}
-
-impl Kind {
-    fn name(self) -> &'static str {
-        match self {
-            Kind::Decode => "decode",
-            Kind::Prefill => "prefill",
-        }
-    }
-}
-
-/// The tile shape of one kernel instance; mirrors `Cfg` in
-/// kernels/unified_attention.cu.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct TileShape {
-    /// Warps along the packed query rows.
-    warps_m: usize,
-    /// Warps splitting the keys of a tile.
-    warps_n: usize,
-    /// Keys per warp per tile.
-    keys_per_warp: usize,
-    /// 16-row MMA tiles per warp.
-    m_tiles: usize,
-    /// K/V tiles in the cp.async ring.
-    stages: usize,
-    /// Programs per SM the kernel's launch bounds allow by registers.
-    max_resident: usize,
-    /// Kernel name suffix after the kind (`""` or `"_m1"`).
-    suffix: &'static str,
-}
-
-impl TileShape {
-    /// Threads per program (the `__launch_bounds__` of the instance).
-    fn threads(&self) -> usize {
-        32 * self.warps_m * self.warps_n
-    }
-    /// Packed rows per program.
-    fn rows(&self) -> usize {
-        16 * self.m_tiles * self.warps_m
-    }
-    /// Keys per tile.
-    fn keys(&self) -> usize {
-        self.keys_per_warp * self.warps_n
-    }
-}
-
-/// The instance a launch of `kind` uses for padded head size `head`.
-/// `small`: a prefill launch with less than a wave of 128-row programs,
-/// which then takes 64-row ones (twice the programs) where both exist.
-fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
-    match kind {
-        Kind::Decode => TileShape {
-            warps_m: 1,
-            warps_n: 4,
-            keys_per_warp: 16,
-            m_tiles: 1,
-            stages: 2,
-            max_resident: match head {
-                0..=64 => 4,
-                65..=128 => 3,
-                _ => 2,
-            },
-            suffix: "",
-        },
-        Kind::Prefill => {
-            let two_tiles = head <= 128 && !small;
-            TileShape {
-                warps_m: 4,
-                warps_n: 1,
-                keys_per_warp: if head <= 128 { 64 } else { 32 },
-                m_tiles: if two_tiles { 2 } else { 1 },
-                stages: 2,
-                max_resident: 2,
-                suffix: if head <= 128 && small { "_m1" } else { "" },
-            }
-        }
-    }
-}
-
-/// Dynamic shared memory of one instance; mirrors `Smem` in
-/// kernels/unified_attention.cu.
-fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
-    let dv = head.min(256);
-    let (bm, bn, st) = (tile.rows(), tile.keys(), tile.stages);
-    let (qs, ks, vs, cs) = (head + 8, head + 8, dv + 8, dv + 8);
-    let q = bm * qs * 2;
-    let red = 2 * tile.warps_n * bm * 4;
-    let offsets = st * bn * 8;
-    let tiles = if fp8 {
-        bn * ks * 2 + bn * vs * 2 + st * bn * (head + dv)
-    } else {
-        st * bn * (ks + vs) * 2
-    };
-    let merge = tile.warps_n * bm * cs * 4;
-    q + red + offsets + tiles.max(merge)
-}
 
 /// One launch of the tensor-core kernel: a tile shape and the sequences
 /// (by new-token count) whose programs do work.
