@@ -73,7 +73,7 @@ pub use cache::{
 };
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
-pub use cuda::paged_attention::{kernel_instance_reports, KernelInstanceReport};
+pub use cuda::describe::{kernel_instance_reports, KernelInstanceReport};
 pub use metadata::{AttentionMetadata, LayerBatch, WindowGroup};
 #[cfg(feature = "cuda")]
 pub use ops::paged_attention::cuda_launch_plan;

@@ -9,6 +9,7 @@
 //! calls it) or `cpu`.
 
 pub(crate) mod contract;
+pub(crate) mod describe;
 pub(crate) mod paged_attention;
 pub(crate) mod reshape_and_cache;
 pub(crate) mod tiles;

@@ -34,7 +34,7 @@ use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
 use super::contract::AttnParams;
-use super::tiles::{smem_bytes, tile_shape, Kind, TileShape, HEAD_SIZES};
+use super::tiles::{instance_name, smem_bytes, tile_shape, Kind, TileShape, HEAD_SIZES};
 use super::{
     cuda_storage, device_address, device_limits, fill_nan, function, optional_address,
     poison_outputs, ptx, DeviceLimits, ATTENTION_MODULE,
@@ -51,28 +51,28 @@ const THREADS: u32 = 128;
 /// One launch of the tensor-core kernel: a tile shape and the sequences
 /// (by new-token count) whose programs do work.
 #[derive(Clone, Copy, Debug)]
-struct Part {
-    kind: Kind,
-    tile: TileShape,
+pub(super) struct Part {
+    pub(super) kind: Kind,
+    pub(super) tile: TileShape,
     /// Split-KV segments of this launch (1: it writes the output).
-    segments: usize,
-    group_entries: usize,
-    head_chunks: usize,
-    grid_x: usize,
-    q_len_min: usize,
-    q_len_max: usize,
+    pub(super) segments: usize,
+    pub(super) group_entries: usize,
+    pub(super) head_chunks: usize,
+    pub(super) grid_x: usize,
+    pub(super) q_len_min: usize,
+    pub(super) q_len_max: usize,
 }
 
 /// How one call is launched: one part, or two for a batch that mixes
 /// sequences that fit a decode-shaped program with longer ones.
 #[derive(Clone, Copy, Debug)]
-struct Plan {
-    head: usize,
-    dv_chunks: usize,
+pub(super) struct Plan {
+    pub(super) head: usize,
+    pub(super) dv_chunks: usize,
     /// 0: split-KV partial rows are tokens; else rows per sequence (partial
     /// row `seq * ws_seq_rows + row`), for a mixed batch's decode launch.
-    ws_seq_rows: usize,
-    parts: [Option<Part>; 2],
+    pub(super) ws_seq_rows: usize,
+    pub(super) parts: [Option<Part>; 2],
 }
 
 fn part(
@@ -103,7 +103,7 @@ fn part(
     }
 }
 
-fn plan(
+pub(super) fn plan(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
     limits: &DeviceLimits,
@@ -211,7 +211,12 @@ fn prefill_tile_override() -> Option<usize> {
 /// per SM over the instance's bytes plus the driver's reservation per
 /// program, and the register limit (the launch bounds the instance was
 /// compiled with).
-fn resident_programs(tile: &TileShape, head: usize, fp8: bool, limits: &DeviceLimits) -> usize {
+pub(super) fn resident_programs(
+    tile: &TileShape,
+    head: usize,
+    fp8: bool,
+    limits: &DeviceLimits,
+) -> usize {
     let by_smem =
         limits.smem_per_sm / (smem_bytes(tile, head, fp8) + limits.reserved_smem_per_block);
     by_smem.min(tile.max_resident).max(1)
@@ -545,114 +550,6 @@ fn launch(
     }
     drop(ws_guard);
     Ok(())
-}
-
-/// How `forward` launches this call, in words: each part's tile shape and
-/// its split-KV segments (e.g. `decode split-kv(10)`, `decode + prefill`).
-pub(crate) fn describe(
-    params: &PagedAttentionParams,
-    dims: &AttentionDims,
-    dev: &CudaDevice,
-    q_dtype: DType,
-) -> Result<String> {
-    if q_dtype == DType::F32 {
-        return Ok("scalar f32".to_string());
-    }
-    let plan = plan(params, dims, &device_limits(dev)?)?;
-    let parts: Vec<String> = plan
-        .parts
-        .iter()
-        .flatten()
-        .map(|p| match p.segments {
-            1 => p.kind.name().to_string(),
-            s => format!("{} split-kv({s})", p.kind.name()),
-        })
-        .collect();
-    Ok(parts.join(" + "))
-}
-
-/// The kernel name of a tensor-core instance,
-/// `unified_attention_h{head}_{kind}{suffix}_{dtype}[_fp8]`: the one place
-/// this format lives on the Rust side (the `CPA_ATTN` macros of
-/// kernels/unified_attention.cu build the same names).
-fn instance_name(head: usize, kind: Kind, tile: &TileShape, dtype_name: &str, fp8: bool) -> String {
-    let cache_suffix = if fp8 { "_fp8" } else { "" };
-    format!(
-        "unified_attention_h{head}_{}{}_{dtype_name}{cache_suffix}",
-        kind.name(),
-        tile.suffix
-    )
-}
-
-/// One tensor-core kernel instance: what the launch plan assumes of it next
-/// to what the driver reports. Not part of the API: it exists so that a GPU
-/// test can check the plan's figures against the compiled kernels.
-#[doc(hidden)]
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KernelInstanceReport {
-    /// The kernel's name in the PTX module.
-    pub name: String,
-    /// Threads per program the launch uses.
-    pub planned_threads: usize,
-    /// Dynamic shared memory per program the launch requests (bytes).
-    pub planned_smem: usize,
-    /// Programs per SM the split-KV heuristic assumes.
-    pub planned_resident: usize,
-    /// `CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK` of the loaded kernel.
-    pub driver_max_threads: usize,
-    /// `CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES` (static shared memory; the
-    /// kernels use dynamic shared memory only, so 0 is expected).
-    pub driver_static_smem: usize,
-    /// Programs per SM from the occupancy API at the planned threads and
-    /// dynamic shared memory.
-    pub driver_resident: usize,
-}
-
-/// Every tensor-core kernel instance (each padded head size, program shape,
-/// query dtype and cache kind), loaded on `dev`, with the plan's and the
-/// driver's figures. Not part of the API (see [`KernelInstanceReport`]).
-#[doc(hidden)]
-pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceReport>> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute as F;
-    let limits = device_limits(dev)?;
-    let mut out: Vec<KernelInstanceReport> = Vec::new();
-    for &head in &HEAD_SIZES {
-        for (kind, small) in [
-            (Kind::Decode, false),
-            (Kind::Prefill, false),
-            (Kind::Prefill, true),
-        ] {
-            let tile = tile_shape(kind, head, small);
-            for dtype_name in ["bf16", "f16"] {
-                for fp8 in [false, true] {
-                    let name = instance_name(head, kind, &tile, dtype_name, fp8);
-                    if out.iter().any(|r| r.name == name) {
-                        // Above head size 128 the small prefill tile is the default one.
-                        continue;
-                    }
-                    let smem = smem_bytes(&tile, head, fp8);
-                    let threads = tile.threads();
-                    let func =
-                        function(dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
-                    let attr =
-                        |a| -> Result<usize> { Ok(func.get_attribute(a).w()?.max(0) as usize) };
-                    let resident = func
-                        .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
-                        .w()?;
-                    out.push(KernelInstanceReport {
-                        planned_threads: threads,
-                        planned_smem: smem,
-                        planned_resident: resident_programs(&tile, head, fp8, &limits),
-                        driver_max_threads: attr(F::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
-                        driver_static_smem: attr(F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
-                        driver_resident: resident as usize,
-                        name,
-                    });
-                }
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// An uninitialised output buffer of `n` elements.

@@ -117,3 +117,22 @@ pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     let merge = tile.warps_n * bm * cs * 4;
     q + red + offsets + tiles.max(merge)
 }
+
+/// The kernel name of a tensor-core instance,
+/// `unified_attention_h{head}_{kind}{suffix}_{dtype}[_fp8]`: the one place
+/// this format lives on the Rust side (the `CPA_ATTN` macros of
+/// kernels/unified_attention.cu build the same names).
+pub(crate) fn instance_name(
+    head: usize,
+    kind: Kind,
+    tile: &TileShape,
+    dtype_name: &str,
+    fp8: bool,
+) -> String {
+    let cache_suffix = if fp8 { "_fp8" } else { "" };
+    format!(
+        "unified_attention_h{head}_{}{}_{dtype_name}{cache_suffix}",
+        kind.name(),
+        tile.suffix
+    )
+}

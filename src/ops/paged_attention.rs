@@ -221,7 +221,7 @@ impl CustomOp1 for PagedAttention<'_> {
 pub fn cuda_launch_plan(q: &Tensor, params: &PagedAttentionParams) -> Result<String> {
     let dims = params.validate(q.dtype(), q.shape(), q.device())?;
     match q.device() {
-        Device::Cuda(dev) => crate::cuda::paged_attention::describe(params, &dims, dev, q.dtype()),
+        Device::Cuda(dev) => crate::cuda::describe::describe(params, &dims, dev, q.dtype()),
         other => bail!(
             "{OP}: cuda_launch_plan needs a cuda device, got {:?}",
             other.location()
