@@ -242,11 +242,21 @@ fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
         })
 }
 
+/// The split-KV workspace of one device and the limits its plans use.
+///
+/// Lifetime: created on the first tensor-core launch on the device, grown
+/// (never shrunk) when a call needs more partials, and kept for the life of
+/// the process (the map is a static, never dropped; the driver reclaims the
+/// memory at exit). One per candle device (`DeviceId`), behind a lock held
+/// for the whole launch sequence of a call; the launches go on that
+/// device's stream, so a later call reusing the buffer runs after the
+/// reduce of the earlier one.
 struct Workspace {
     limits: DeviceLimits,
     buf: Option<CudaSlice<f32>>,
 }
 
+/// The per-device workspaces (see [`Workspace`] for their lifetime).
 fn workspaces() -> &'static Mutex<HashMap<DeviceId, Workspace>> {
     static W: OnceLock<Mutex<HashMap<DeviceId, Workspace>>> = OnceLock::new();
     W.get_or_init(|| Mutex::new(HashMap::new()))
