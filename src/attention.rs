@@ -1,13 +1,16 @@
 //! The attention layer: stores a layer's new keys and values in its paged
 //! cache and attends over the batch described by [`AttentionMetadata`].
+//!
+//! Imports `ops` (the two op calls), `params`, `cache`, `metadata` and
+//! `batch`; must not import the backends (`cpu`, `cuda`) or `models`.
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::cache::LayerKvCache;
 use crate::metadata::AttentionMetadata;
-use crate::ops::paged_attention::{paged_attention, KvSplit, PagedAttentionParams, MAX_HEAD_SIZE};
+use crate::ops::paged_attention::paged_attention;
 use crate::ops::reshape_and_cache::reshape_and_cache;
-use crate::ops::KvScales;
+use crate::params::{KvScales, KvSplit, PagedAttentionParams, MAX_HEAD_SIZE};
 
 const OP: &str = "attention";
 
@@ -231,7 +234,7 @@ impl Attention {
         let k = k.reshape((n, kvh, d))?;
         let v = v.reshape((n, kvh, d))?;
         if cache.is_empty() {
-            // The seed's shortcut: one token attending to itself outputs its
+            // vLLM's attention layer shortcut: one token attending to itself outputs its
             // value (a one-element softmax is 1), so no cache is needed.
             if metadata.is_single_token_prefill() && self.options.sinks.is_none() {
                 return self.single_token_output(&v);

@@ -6,6 +6,8 @@
 //! tensors. Every O(batch) check runs once, when the value is built; an op
 //! call only compares a few precomputed maxima with the cache shape, so the
 //! CUDA path never copies index data back to the host.
+//!
+//! A leaf: imports nothing from this crate.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -40,30 +42,76 @@ pub struct PagedBatch {
     host: Arc<BatchHost>,
 }
 
-/// Host copies of the batch's index arrays and the maxima derived from them.
+/// Host copies of the batch's index arrays and the maxima derived from them;
+/// read-only (built and validated by [`PagedBatch`]).
 #[derive(Clone, Debug)]
 pub struct BatchHost {
     /// `num_seqs + 1` row offsets into the flat query.
-    pub cu_seqlens_q: Vec<u32>,
+    cu_seqlens_q: Vec<u32>,
     /// `num_seqs` key counts (context + new tokens).
-    pub seq_lens: Vec<u32>,
+    seq_lens: Vec<u32>,
     /// Row-major `num_seqs x block_table_width` block ids.
-    pub block_tables: Vec<u32>,
+    block_tables: Vec<u32>,
     /// Columns of `block_tables`.
-    pub block_table_width: usize,
+    block_table_width: usize,
     /// Tokens per cache block the tables were built for.
-    pub block_size: usize,
+    block_size: usize,
     /// Bidirectional ranges per sequence (empty when none were given).
-    pub prefix_ranges: PrefixRanges,
+    prefix_ranges: PrefixRanges,
     /// Longest query span of any sequence.
-    pub max_seqlen_q: usize,
+    max_seqlen_q: usize,
     /// Largest `seq_lens` entry.
-    pub max_seqlen_k: usize,
+    max_seqlen_k: usize,
     /// Largest block id any sequence reads (`None` when no sequence has keys).
-    pub max_block_id: Option<u32>,
+    max_block_id: Option<u32>,
 }
 
 impl BatchHost {
+    /// `num_seqs + 1` row offsets into the flat query.
+    pub fn cu_seqlens_q(&self) -> &[u32] {
+        &self.cu_seqlens_q
+    }
+
+    /// `num_seqs` key counts (context + new tokens).
+    pub fn seq_lens(&self) -> &[u32] {
+        &self.seq_lens
+    }
+
+    /// Row-major `num_seqs x block_table_width` block ids.
+    pub fn block_tables(&self) -> &[u32] {
+        &self.block_tables
+    }
+
+    /// Columns of `block_tables`.
+    pub fn block_table_width(&self) -> usize {
+        self.block_table_width
+    }
+
+    /// Tokens per cache block the tables were built for.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Bidirectional ranges per sequence (empty when none were given).
+    pub fn prefix_ranges(&self) -> &[Vec<Range<u32>>] {
+        &self.prefix_ranges
+    }
+
+    /// Longest query span of any sequence.
+    pub fn max_seqlen_q(&self) -> usize {
+        self.max_seqlen_q
+    }
+
+    /// Largest `seq_lens` entry.
+    pub fn max_seqlen_k(&self) -> usize {
+        self.max_seqlen_k
+    }
+
+    /// Largest block id any sequence reads (`None` when no sequence has keys).
+    pub fn max_block_id(&self) -> Option<u32> {
+        self.max_block_id
+    }
+
     /// Number of sequences.
     pub fn num_seqs(&self) -> usize {
         self.seq_lens.len()

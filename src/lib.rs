@@ -8,8 +8,9 @@
 //! query-query bias, bidirectional prefix ranges and fp8 (`F8E4M3`) caches.
 //! [`reshape_and_cache`] writes new keys and values into their slots.
 //!
-//! The CPU path is the reference implementation; the `cuda` feature adds
-//! compiled CUDA kernels for the same ops.
+//! The CPU path is a fast, parallel CPU kernel with every feature; the `cuda`
+//! feature adds compiled CUDA kernels for the same ops. [`reference`] holds a
+//! naive f64 implementation that both are tested against.
 //!
 //! # Example
 //! Two sequences: a prefill of 3 tokens and a decode of 1 token after 4 cached
@@ -47,31 +48,35 @@
 //! # }
 //! ```
 
-pub mod attention;
-pub mod batch;
-pub mod cache;
+mod attention;
+mod batch;
+mod cache;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
-pub mod metadata;
+mod metadata;
 #[cfg(feature = "models")]
 pub mod models;
-pub mod ops;
+mod ops;
+mod params;
 pub mod reference;
 pub mod remap;
 
-pub use batch::{BatchHost, PagedBatch, PrefixRanges, SlotMapping};
-#[cfg(feature = "cuda")]
-pub use ops::paged_attention::cuda_launch_plan;
-pub use ops::paged_attention::{
-    paged_attention, AttentionDims, KvSplit, PagedAttention, PagedAttentionParams, MAX_HEAD_SIZE,
-};
-pub use ops::reshape_and_cache::{reshape_and_cache, ReshapeAndCache};
-pub use ops::KvScales;
-
+// One public path per item: the modules above are private and their items
+// are re-exported here; `models`, `reference` and `remap` are public
+// namespaces of many items and are not re-exported.
 pub use attention::{Attention, AttentionOptions, KvCacheDtype};
+pub use batch::{BatchHost, PagedBatch, PrefixRanges, SlotMapping};
 pub use cache::{
     num_blocks_for_budget, BlockManager, BlockManagerConfig, LayerKvCache, ScheduledBatch,
     WindowGroupConfig, Work,
 };
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub use cuda::describe::{kernel_instance_reports, KernelInstanceReport};
 pub use metadata::{AttentionMetadata, LayerBatch, WindowGroup};
+#[cfg(feature = "cuda")]
+pub use ops::paged_attention::cuda_launch_plan;
+pub use ops::paged_attention::{paged_attention, PagedAttention};
+pub use ops::reshape_and_cache::{reshape_and_cache, ReshapeAndCache};
+pub use params::{AttentionDims, KvScales, KvSplit, PagedAttentionParams, MAX_HEAD_SIZE};

@@ -2,10 +2,13 @@
 //! share, passed explicitly to each layer (no global context).
 //!
 //! It is built once per batch (usually by
-//! [`BlockManager::schedule`](crate::cache::BlockManager::schedule)); the
+//! [`BlockManager::schedule`](crate::BlockManager::schedule)); the
 //! O(batch) validation and uploads happen then. Layers only select a view:
 //! the full tables, a sliding-window group's tables, or a chunked-local
 //! remap, which is built on first use per chunk size and cached here.
+//!
+//! Imports `batch`, `remap` and `cache` (for docs only); must not import
+//! `ops`, `params`, the backends, `attention` or `models`.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -106,7 +109,7 @@ impl AttentionMetadata {
         let (mut num_prefills, mut num_prefill_tokens, mut num_decodes) = (0, 0, 0);
         for i in 0..host.num_seqs() {
             let q_len = host.q_len(i);
-            let context = host.seq_lens[i] as usize - q_len;
+            let context = host.seq_lens()[i] as usize - q_len;
             positions.extend((context..context + q_len).map(|p| p as u32));
             if q_len == 1 && context > 0 {
                 num_decodes += 1;
@@ -160,36 +163,36 @@ impl AttentionMetadata {
             bail!("{OP}: a window group for window {window} already exists");
         }
         let (main, group) = (self.batch.host(), batch.host());
-        if group.cu_seqlens_q != main.cu_seqlens_q {
+        if group.cu_seqlens_q() != main.cu_seqlens_q() {
             bail!(
                 "{OP}: window group {window} has cu_seqlens_q {:?} but the batch has {:?}",
-                group.cu_seqlens_q,
-                main.cu_seqlens_q
+                group.cu_seqlens_q(),
+                main.cu_seqlens_q()
             );
         }
-        if group.seq_lens != main.seq_lens {
+        if group.seq_lens() != main.seq_lens() {
             bail!(
                 "{OP}: window group {window} has seq_lens {:?} but the batch has {:?}",
-                group.seq_lens,
-                main.seq_lens
+                group.seq_lens(),
+                main.seq_lens()
             );
         }
-        if group.block_size != main.block_size {
+        if group.block_size() != main.block_size() {
             bail!(
                 "{OP}: window group {window} has block_size {} but the batch has {}",
-                group.block_size,
-                main.block_size
+                group.block_size(),
+                main.block_size()
             );
         }
         if !batch.device().same_device(self.batch.device()) {
             bail!("{OP}: window group {window} is on another device than the batch");
         }
-        let same_ranges = group.prefix_ranges == main.prefix_ranges;
+        let same_ranges = group.prefix_ranges() == main.prefix_ranges();
         if !same_ranges && has_ranges(group) {
             bail!(
                 "{OP}: window group {window} has prefix ranges {:?} but the batch has {:?}",
-                group.prefix_ranges,
-                main.prefix_ranges
+                group.prefix_ranges(),
+                main.prefix_ranges()
             );
         }
         let batch = if has_ranges(main) {
@@ -197,7 +200,7 @@ impl AttentionMetadata {
             if same_ranges {
                 batch
             } else {
-                let ranges = main.prefix_ranges.clone();
+                let ranges = main.prefix_ranges().to_vec();
                 batch.with_prefix_ranges(&ranges)?
             }
         } else {
@@ -290,19 +293,19 @@ impl AttentionMetadata {
 
     /// Longest query span of any sequence.
     pub fn max_seqlen_q(&self) -> usize {
-        self.batch.host().max_seqlen_q
+        self.batch.host().max_seqlen_q()
     }
 
     /// Largest key count of any sequence.
     pub fn max_seqlen_k(&self) -> usize {
-        self.batch.host().max_seqlen_k
+        self.batch.host().max_seqlen_k()
     }
 
     /// True when the batch is one prefill of one token with no context (the
     /// layer's attention output is then the value itself).
     pub fn is_single_token_prefill(&self) -> bool {
         let host = self.batch.host();
-        host.num_seqs() == 1 && host.num_tokens() == 1 && host.seq_lens[0] == 1
+        host.num_seqs() == 1 && host.num_tokens() == 1 && host.seq_lens()[0] == 1
     }
 
     /// The batch and slots a layer reads: its window group's when the layer
@@ -364,11 +367,11 @@ impl AttentionMetadata {
         let source = self.group_batch(group);
         let host = source.host();
         let local = chunked_local_batches(
-            &host.cu_seqlens_q,
-            &host.seq_lens,
-            &host.block_tables,
-            host.block_table_width,
-            host.block_size,
+            host.cu_seqlens_q(),
+            host.seq_lens(),
+            host.block_tables(),
+            host.block_table_width(),
+            host.block_size(),
             chunk,
         )?;
         let mut batch = PagedBatch::new(
@@ -376,10 +379,10 @@ impl AttentionMetadata {
             &local.seq_lens,
             &local.block_tables,
             local.width,
-            host.block_size,
+            host.block_size(),
             source.device(),
         )?;
-        if !host.prefix_ranges.is_empty() {
+        if !host.prefix_ranges().is_empty() {
             batch = batch.with_prefix_ranges(&local_prefix_ranges(host, &local, chunk)?)?;
         }
         cache.insert((group, chunk), batch.clone());
@@ -389,7 +392,10 @@ impl AttentionMetadata {
 
 /// True when some sequence of `host` has a non-empty prefix range.
 fn has_ranges(host: &BatchHost) -> bool {
-    host.prefix_ranges.iter().flatten().any(|r| r.start < r.end)
+    host.prefix_ranges()
+        .iter()
+        .flatten()
+        .any(|r| r.start < r.end)
 }
 
 /// The prefix ranges of `host`'s sequences moved into the chunked-local
@@ -412,8 +418,8 @@ fn local_prefix_ranges(
         }
     }
     let mut out = vec![Vec::new(); local.num_seqs()];
-    for (i, ranges) in host.prefix_ranges.iter().enumerate() {
-        let context = host.seq_lens[i] as usize - host.q_len(i);
+    for (i, ranges) in host.prefix_ranges().iter().enumerate() {
+        let context = host.seq_lens()[i] as usize - host.q_len(i);
         for r in ranges {
             let (start, end) = (r.start as usize, r.end as usize);
             if start >= end || end <= context {
@@ -451,9 +457,9 @@ fn local_prefix_ranges(
 /// a new token but starts in a block that falls out of the window before
 /// this batch's first query of that sequence (the group may have recycled it).
 fn check_ranges_in_window(window: usize, host: &BatchHost) -> Result<()> {
-    let bs = host.block_size;
-    for (i, ranges) in host.prefix_ranges.iter().enumerate() {
-        let context = host.seq_lens[i] as usize - host.q_len(i);
+    let bs = host.block_size();
+    for (i, ranges) in host.prefix_ranges().iter().enumerate() {
+        let context = host.seq_lens()[i] as usize - host.q_len(i);
         let first_kept = blocks_out_of_window(context, window, bs) * bs;
         for r in ranges {
             let (start, end) = (r.start as usize, r.end as usize);
@@ -482,12 +488,12 @@ fn check_slots(name: &str, slots: &SlotMapping, batch: &PagedBatch) -> Result<()
         bail!("{OP}: {name} is on another device than the batch");
     }
     let host = batch.host();
-    let bs = host.block_size;
+    let bs = host.block_size();
     let slots = slots.host();
     for i in 0..host.num_seqs() {
-        let first = host.cu_seqlens_q[i] as usize;
+        let first = host.cu_seqlens_q()[i] as usize;
         let q_len = host.q_len(i);
-        let context = host.seq_lens[i] as usize - q_len;
+        let context = host.seq_lens()[i] as usize - q_len;
         let table = host.block_table(i);
         for j in 0..q_len {
             let slot = slots[first + j];
@@ -557,15 +563,15 @@ mod tests {
             [0, 1, 2, 8]
         );
         assert_eq!(
-            m.for_layer(None, None).unwrap().batch.host().block_tables,
+            m.for_layer(None, None).unwrap().batch.host().block_tables(),
             [0, 1, 0, 2, 3, 4]
         );
         let local = m.for_layer(None, Some(2)).unwrap().batch;
-        assert_eq!(local.host().seq_lens, [2, 1, 1]);
-        assert_eq!(local.host().block_tables, [0, 1, 4]);
+        assert_eq!(local.host().seq_lens(), [2, 1, 1]);
+        assert_eq!(local.host().block_tables(), [0, 1, 4]);
         assert_eq!(m.local.lock().unwrap().len(), 2);
         let windowed = m.for_layer(Some(4), Some(2)).unwrap().batch;
-        assert_eq!(windowed.host().block_tables, [5, 6, 7]);
+        assert_eq!(windowed.host().block_tables(), [5, 6, 7]);
     }
 
     #[test]

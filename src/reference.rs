@@ -43,6 +43,9 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! Imports nothing from this crate (it links to the op in docs only); the
+//! library code must not call it: it is an oracle, not a backend.
 
 use std::ops::Range;
 
@@ -262,10 +265,10 @@ impl<'a> HostCall<'a> {
     /// Attends every query row of sequence `seq`, writing its rows of `out`.
     fn attend_sequence(&self, seq: usize, out: &mut ReferenceOutput) {
         let host = self.params.batch.host();
-        let first_row = host.cu_seqlens_q[seq] as usize;
+        let first_row = host.cu_seqlens_q()[seq] as usize;
         let q_len = host.q_len(seq);
-        let seq_len = host.seq_lens[seq] as usize;
-        let ranges = host.prefix_ranges.get(seq).map_or(&[][..], Vec::as_slice);
+        let seq_len = host.seq_lens()[seq] as usize;
+        let ranges = host.prefix_ranges().get(seq).map_or(&[][..], Vec::as_slice);
         let vis = visibility(q_len, seq_len, self.params.sliding_window, ranges);
         let span = Span {
             first_row,
@@ -293,7 +296,11 @@ impl<'a> HostCall<'a> {
     fn gather(&self, seq: usize, kv_head: usize, seq_len: usize) -> Pages {
         let host = self.params.batch.host();
         let table = host.block_table(seq);
-        let (bs, kvh, d) = (host.block_size, self.dims.num_kv_heads, self.dims.head_size);
+        let (bs, kvh, d) = (
+            host.block_size(),
+            self.dims.num_kv_heads,
+            self.dims.head_size,
+        );
         let mut pages = Pages {
             keys: Vec::with_capacity(seq_len * d),
             values: Vec::with_capacity(seq_len * d),

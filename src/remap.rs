@@ -4,6 +4,8 @@
 //!
 //! Nothing here touches a device; the metadata uploads the results once per
 //! batch and every layer of that kind reuses them.
+//!
+//! A leaf: imports nothing from this crate.
 
 use candle_core::{bail, Result};
 
@@ -359,7 +361,7 @@ mod tests {
         }
     }
 
-    /// The seed's decode remap misses this: 5 keys, chunk 4, the new token
+    /// vLLM's Triton `_chunked_decode_remap` misses this: 5 keys, chunk 4, the new token
     /// (position 4) sees only itself.
     #[test]
     fn decode_sees_its_own_chunk_only() {

@@ -367,8 +367,8 @@ fn simulate(sim: &Sim, dev: &Device) -> Result<Stats> {
                 s.tokens.push(t);
             }
             let (start, end) = (
-                meta.batch().host().cu_seqlens_q[i] as usize,
-                meta.batch().host().cu_seqlens_q[i + 1] as usize,
+                meta.batch().host().cu_seqlens_q()[i] as usize,
+                meta.batch().host().cu_seqlens_q()[i + 1] as usize,
             );
             let first = s.computed;
             s.computed += end - start;

@@ -93,7 +93,7 @@ impl Host {
                 .map(|i| batch.block_table(i).to_vec())
                 .collect(),
             prefix_ranges: (0..num_seqs)
-                .map(|i| batch.prefix_ranges.get(i).cloned().unwrap_or_default())
+                .map(|i| batch.prefix_ranges().get(i).cloned().unwrap_or_default())
                 .collect(),
             alibi_slopes: optional(&inputs.alibi_slopes)?,
             sinks: optional(&inputs.sinks)?,

@@ -134,9 +134,9 @@ fn huge_attention_chunk_size_is_plain_causal(dev: &Device) -> Result<()> {
     for chunk in [1usize << 32, usize::MAX & !(bs - 1)] {
         let local = meta.local_batch(None, chunk)?;
         ensure!(
-            local.host().block_table_width == 3,
+            local.host().block_table_width() == 3,
             "chunk {chunk}: the remapped table has width {}",
-            local.host().block_table_width
+            local.host().block_table_width()
         );
         ensure!(
             run(Some(chunk))? == plain,
@@ -603,8 +603,8 @@ fn prefix_ranges_reach_window_groups() -> Result<()> {
     let meta = AttentionMetadata::new(batch.clone(), SlotMapping::new(&[0, 1, 2, 8], &dev)?)?
         .with_window_group(4, group.clone(), SlotMapping::new(&[10, 11, 12, 14], &dev)?)?;
     let layer = meta.for_layer(Some(4), None)?;
-    ensure!(layer.batch.host().prefix_ranges == ranges);
-    ensure!(layer.batch.host().block_tables == [5, 6, 0, 0, 0, 7]);
+    ensure!(layer.batch.host().prefix_ranges() == ranges);
+    ensure!(layer.batch.host().block_tables() == [5, 6, 0, 0, 0, 7]);
     ensure!(layer.batch.prefix_ranges().is_some());
     // Window 2: the decode (position 4) keeps blocks from position 2 on;
     // range 0..5 would reach positions 0 and 1.
@@ -638,11 +638,11 @@ fn prefix_ranges_in_chunked_local_layers(dev: &Device) -> Result<()> {
     let ranges = vec![vec![5..8, 8..10]];
     let meta = AttentionMetadata::new(batch.clone().with_prefix_ranges(&ranges)?, slots.clone())?;
     let local = meta.local_batch(None, chunk)?;
-    ensure!(local.host().seq_lens == [4, 4, 2]);
+    ensure!(local.host().seq_lens() == [4, 4, 2]);
     ensure!(
-        local.host().prefix_ranges == vec![vec![], vec![1..4], vec![0..2]],
+        local.host().prefix_ranges() == vec![vec![], vec![1..4], vec![0..2]],
         "{:?}",
-        local.host().prefix_ranges
+        local.host().prefix_ranges()
     );
     // Against a dense reference: key k is visible to query p when it lies
     // in p's chunk at or before p, or when both lie in one range.
@@ -705,7 +705,7 @@ fn prefix_ranges_in_chunked_local_layers(dev: &Device) -> Result<()> {
         .with_prefix_ranges(&[vec![2..6]])?;
     let meta = AttentionMetadata::new(decode, SlotMapping::new(&[9], dev)?)?;
     let local = meta.local_batch(None, chunk)?;
-    ensure!(local.host().prefix_ranges == vec![Vec::<std::ops::Range<u32>>::new()]);
+    ensure!(local.host().prefix_ranges() == vec![Vec::<std::ops::Range<u32>>::new()]);
     Ok(())
 }
 

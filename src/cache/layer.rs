@@ -1,4 +1,6 @@
 //! One layer's paged key and value caches and their sizing.
+//!
+//! Imports `ops` (storage identity) and `cuda` (free device memory).
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 

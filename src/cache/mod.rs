@@ -11,6 +11,10 @@
 //!   fell out of a sliding window, frees them when a sequence finishes, and
 //!   builds the [`AttentionMetadata`](crate::AttentionMetadata) of each
 //!   scheduled batch.
+//!
+//! Imports `batch`, `metadata`, `remap`, `ops` (a storage identity helper)
+//! and `cuda` (free device memory); must not import `attention`, `params`,
+//! the CPU backend or `models`.
 
 mod layer;
 mod manager;

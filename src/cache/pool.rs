@@ -4,6 +4,8 @@
 //! count > 0), or cached-and-unused: its content hash is still registered so a
 //! later sequence with the same prefix can take it back, but it is the first
 //! to be reused (least recently released first) when the free list runs dry.
+//!
+//! A leaf: imports nothing from this crate.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 

@@ -1,4 +1,6 @@
 //! Element types the CPU kernels read and write, converted through f32.
+//!
+//! A leaf: imports nothing from this crate.
 
 use float8::F8E4M3;
 use half::slice::HalfFloatSliceExt;

@@ -1,10 +1,13 @@
-//! CPU paged attention: the executable specification of the op.
+//! CPU paged attention: the fast CPU kernel of the op (the naive f64
+//! specification is [`crate::reference`]).
 //!
 //! Work is split into items of (sequence, KV head, block of query rows); each
 //! item walks its visible keys in tiles, converts a K and a V tile to f32 once,
 //! and runs an online softmax for every (query row, query head of the group)
 //! it owns. Items run in parallel on rayon; each returns its rows, which are
 //! then scattered into the output.
+//!
+//! Imports `params` and `batch`; never `ops` or `cuda`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Layout, Result, Shape, Storage, Tensor, WithDType};
@@ -14,7 +17,7 @@ use rayon::prelude::*;
 
 use crate::batch::BatchHost;
 use crate::cpu::elem::{axpy, axpy4, dot, dot4, load_scaled, Elem};
-use crate::ops::paged_attention::{AttentionDims, PagedAttentionParams};
+use crate::params::{AttentionDims, PagedAttentionParams};
 
 /// Query rows per work item (times the GQA group size in query vectors).
 const ROWS_PER_ITEM: usize = 16;
@@ -97,12 +100,7 @@ pub(crate) fn forward(
         None => None,
     };
     let cache_is_fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
-    // Scales apply to fp8 caches only.
-    let kv_scales = if cache_is_fp8 {
-        params.kv_scales
-    } else {
-        crate::ops::KvScales::default()
-    };
+    let kv_scales = params.effective_kv_scales();
     let opts = Options {
         scale: params.scale,
         k_scale: kv_scales.k_scale,
@@ -169,7 +167,7 @@ fn store<O: Elem + WithDType>(
         .collect();
     let mut out = vec![O::from_f32(0.0); num_tokens * num_heads * head_size];
     for (item, rows) in items.iter().zip(&results) {
-        let first_token = problem.host.cu_seqlens_q[item.seq] as usize + item.row_start;
+        let first_token = problem.host.cu_seqlens_q()[item.seq] as usize + item.row_start;
         for (r, row) in rows.chunks_exact(group * head_size).enumerate() {
             let base = ((first_token + r) * num_heads + item.kv_head * group) * head_size;
             for (dst, &x) in out[base..base + row.len()].iter_mut().zip(row) {
@@ -226,15 +224,15 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
     let num_heads = p.dims.num_heads;
     let kv_row = p.dims.num_kv_heads * d;
     let block_size = p.dims.block_size;
-    let seq_len = host.seq_lens[item.seq] as usize;
+    let seq_len = host.seq_lens()[item.seq] as usize;
     let q_len = host.q_len(item.seq);
     let context_len = seq_len - q_len;
-    let first_token = host.cu_seqlens_q[item.seq] as usize + item.row_start;
+    let first_token = host.cu_seqlens_q()[item.seq] as usize + item.row_start;
     let rows = item.row_end - item.row_start;
     let nq = rows * group;
     let table = host.block_table(item.seq);
     let ranges: &[std::ops::Range<u32>] = host
-        .prefix_ranges
+        .prefix_ranges()
         .get(item.seq)
         .map_or(&[], |r| r.as_slice());
 
@@ -335,7 +333,7 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
             for t in t..n {
                 s.scores[t] = dot(qv, key_row(t));
             }
-            // Scores: scale*q.k, softcap, mask, ALiBi, qq_bias (the seed's order).
+            // Scores: scale*q.k, softcap, mask, ALiBi, qq_bias (the order of vLLM's Triton unified attention).
             let mut tile_max = f32::NEG_INFINITY;
             for t in 0..n {
                 let key = tile_start + t;

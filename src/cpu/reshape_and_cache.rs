@@ -1,12 +1,14 @@
 //! CPU `reshape_and_cache`: copies (or quantises) each token's K or V row
 //! into its slot.
+//!
+//! Imports `params`; never `ops` or `cuda`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Layout, Result};
 use float8::F8E4M3;
 
 use crate::cpu::elem::Elem;
-use crate::ops::reshape_and_cache::CacheWrite;
+use crate::params::CacheWrite;
 
 const OP: &str = "reshape-and-cache";
 

@@ -4,9 +4,15 @@
 //! module loaded once per device through
 //! `CudaDevice::get_or_load_custom_func`. Launches go on candle's stream.
 //! This is the only place in the crate with raw kernel launches.
+//!
+//! Imports `params` (and `batch` through it); must not import `ops` (which
+//! calls it) or `cpu`.
 
+pub(crate) mod contract;
+pub(crate) mod describe;
 pub(crate) mod paged_attention;
 pub(crate) mod reshape_and_cache;
+pub(crate) mod tiles;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -125,24 +131,52 @@ fn function(
     Ok(f)
 }
 
-/// Number of multiprocessors of the device and the most dynamic shared
-/// memory one program may use (bytes).
-fn device_limits(dev: &CudaDevice) -> Result<(usize, usize)> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+/// The device attributes the launch decisions read, queried once per device
+/// and cached for the life of the process (they never change).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DeviceLimits {
+    /// Streaming multiprocessors.
+    pub(crate) sms: usize,
+    /// Most dynamic shared memory one program may opt in to (bytes).
+    pub(crate) max_smem_per_block: usize,
+    /// Shared memory of one SM (bytes; 228 KiB on Hopper).
+    pub(crate) smem_per_sm: usize,
+    /// Shared memory the driver reserves per resident program (bytes; 1 KiB
+    /// on Hopper).
+    pub(crate) reserved_smem_per_block: usize,
+}
+
+/// The cached [`DeviceLimits`] of `dev` (queried on first use).
+fn device_limits(dev: &CudaDevice) -> Result<DeviceLimits> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    static CACHE: OnceLock<Mutex<HashMap<DeviceId, DeviceLimits>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let lock = || {
+        cache
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("device limits cache lock poisoned".into()))
+    };
+    if let Some(l) = lock()?.get(&dev.id()) {
+        return Ok(*l);
+    }
     let stream = dev.cuda_stream();
     let ctx = stream.context();
-    let sms = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()?;
-    let smem = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .w()?;
-    Ok((sms.max(1) as usize, smem.max(0) as usize))
+    let get = |a| -> Result<usize> { Ok(ctx.attribute(a).w()?.max(0) as usize) };
+    let limits = DeviceLimits {
+        sms: get(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1),
+        max_smem_per_block: get(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+        smem_per_sm: get(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+        reserved_smem_per_block: get(A::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?,
+    };
+    lock()?.insert(dev.id(), limits);
+    Ok(limits)
 }
 
 /// True when `CANDLE_PAGED_ATTENTION_POISON` is set: outputs are filled with
 /// NaN before the kernels run, so that an element the kernels fail to write
-/// shows up in tests.
+/// shows up in tests. Read at every call (a `getenv`, negligible next to a
+/// launch): examples/bench.rs turns it on for one checked call and off for
+/// the timed ones.
 fn poison_outputs() -> bool {
     std::env::var_os("CANDLE_PAGED_ATTENTION_POISON").is_some_and(|v| !v.is_empty() && v != "0")
 }

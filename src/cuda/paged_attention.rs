@@ -20,209 +20,59 @@
 //! device-to-host copy and, once the workspace is large enough, no
 //! allocation besides its output, so it can be captured in a CUDA graph
 //! (`examples/bench.rs` times graph replays).
+//!
+//! Imports `params`; never `ops` or `cpu`.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
+use super::contract::AttnParams;
+use super::tiles::{instance_name, smem_bytes, tile_shape, Kind, TileShape, HEAD_SIZES};
 use super::{
     cuda_storage, device_address, device_limits, fill_nan, function, optional_address,
-    poison_outputs, ptx, ATTENTION_MODULE,
+    poison_outputs, ptx, DeviceLimits, ATTENTION_MODULE,
 };
-use crate::ops::paged_attention::{AttentionDims, KvSplit, PagedAttentionParams};
+use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
 
 const OP: &str = "paged-attention";
 
 /// Most split-KV segments per (sequence, KV head).
 pub(crate) const MAX_SEGMENTS: usize = 256;
-/// Padded head sizes with a compiled kernel instance.
-const HEAD_SIZES: [usize; 5] = [32, 64, 128, 256, 512];
 /// Threads of every attention program (4 warps).
 const THREADS: u32 = 128;
-
-/// The kernels' parameter block; mirrors `cpa::AttnParams` in
-/// kernels/attention_params.cuh field by field (8-byte fields first).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct AttnParams {
-    q: u64,
-    k_cache: u64,
-    v_cache: u64,
-    out: u64,
-    cu_seqlens_q: u64,
-    seq_lens: u64,
-    block_tables: u64,
-    prefix_ranges: u64,
-    alibi_slopes: u64,
-    sinks: u64,
-    qq_bias: u64,
-    ws_acc: u64,
-    ws_ml: u64,
-    block_stride: i64,
-    num_seqs: i32,
-    num_tokens: i32,
-    num_heads: i32,
-    num_kv_heads: i32,
-    head_size: i32,
-    block_size: i32,
-    block_table_width: i32,
-    max_ranges: i32,
-    qq_rows: i32,
-    qq_cols: i32,
-    sliding_window: i32,
-    num_segments: i32,
-    out_fp8: i32,
-    vec_loads: i32,
-    group_entries: i32,
-    head_chunks: i32,
-    q_len_min: i32,
-    q_len_max: i32,
-    ws_seq_rows: i32,
-    seq_programs: i32,
-    scale: f32,
-    softcap: f32,
-    v_scale: f32,
-    out_inv_scale: f32,
-}
-
-const _: () = assert!(std::mem::size_of::<AttnParams>() == 208);
-
-// SAFETY: a `#[repr(C)]` block of integers and floats whose layout matches
-// the kernels' `AttnParams` (checked by the size assertion above); it is
-// passed by value as the only kernel parameter.
-unsafe impl DeviceRepr for AttnParams {}
-
-/// Program shape of the tensor-core kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    /// 16 packed rows, 4 warps splitting 64 keys per tile.
-    Decode,
-    /// 64 packed rows (4 warps x 16), 1 warp per key tile.
-    Prefill,
-}
-
-impl Kind {
-    fn name(self) -> &'static str {
-        match self {
-            Kind::Decode => "decode",
-            Kind::Prefill => "prefill",
-        }
-    }
-}
-
-/// The tile shape of one kernel instance; mirrors `Cfg` in
-/// kernels/unified_attention.cu.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct TileShape {
-    /// Warps along the packed query rows.
-    warps_m: usize,
-    /// Warps splitting the keys of a tile.
-    warps_n: usize,
-    /// Keys per warp per tile.
-    keys_per_warp: usize,
-    /// 16-row MMA tiles per warp.
-    m_tiles: usize,
-    /// K/V tiles in the cp.async ring.
-    stages: usize,
-    /// Programs per SM the kernel's launch bounds allow by registers.
-    max_resident: usize,
-    /// Kernel name suffix after the kind (`""` or `"_m1"`).
-    suffix: &'static str,
-}
-
-impl TileShape {
-    /// Packed rows per program.
-    fn rows(&self) -> usize {
-        16 * self.m_tiles * self.warps_m
-    }
-    /// Keys per tile.
-    fn keys(&self) -> usize {
-        self.keys_per_warp * self.warps_n
-    }
-}
-
-/// The instance a launch of `kind` uses for padded head size `head`.
-/// `small`: a prefill launch with less than a wave of 128-row programs,
-/// which then takes 64-row ones (twice the programs) where both exist.
-fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
-    match kind {
-        Kind::Decode => TileShape {
-            warps_m: 1,
-            warps_n: 4,
-            keys_per_warp: 16,
-            m_tiles: 1,
-            stages: 2,
-            max_resident: match head {
-                0..=64 => 4,
-                65..=128 => 3,
-                _ => 2,
-            },
-            suffix: "",
-        },
-        Kind::Prefill => {
-            let two_tiles = head <= 128 && !small;
-            TileShape {
-                warps_m: 4,
-                warps_n: 1,
-                keys_per_warp: if head <= 128 { 64 } else { 32 },
-                m_tiles: if two_tiles { 2 } else { 1 },
-                stages: 2,
-                max_resident: 2,
-                suffix: if head <= 128 && small { "_m1" } else { "" },
-            }
-        }
-    }
-}
-
-/// Dynamic shared memory of one instance; mirrors `Smem` in
-/// kernels/unified_attention.cu.
-fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
-    let dv = head.min(256);
-    let (bm, bn, st) = (tile.rows(), tile.keys(), tile.stages);
-    let (qs, ks, vs, cs) = (head + 8, head + 8, dv + 8, dv + 8);
-    let q = bm * qs * 2;
-    let red = 2 * tile.warps_n * bm * 4;
-    let offsets = st * bn * 8;
-    let tiles = if fp8 {
-        bn * ks * 2 + bn * vs * 2 + st * bn * (head + dv)
-    } else {
-        st * bn * (ks + vs) * 2
-    };
-    let merge = tile.warps_n * bm * cs * 4;
-    q + red + offsets + tiles.max(merge)
-}
 
 /// One launch of the tensor-core kernel: a tile shape and the sequences
 /// (by new-token count) whose programs do work.
 #[derive(Clone, Copy, Debug)]
-struct Part {
-    kind: Kind,
-    tile: TileShape,
+pub(super) struct Part {
+    pub(super) kind: Kind,
+    pub(super) tile: TileShape,
     /// Split-KV segments of this launch (1: it writes the output).
-    segments: usize,
-    group_entries: usize,
-    head_chunks: usize,
-    grid_x: usize,
-    q_len_min: usize,
-    q_len_max: usize,
+    pub(super) segments: usize,
+    pub(super) group_entries: usize,
+    pub(super) head_chunks: usize,
+    pub(super) grid_x: usize,
+    pub(super) q_len_min: usize,
+    pub(super) q_len_max: usize,
 }
 
 /// How one call is launched: one part, or two for a batch that mixes
 /// sequences that fit a decode-shaped program with longer ones.
 #[derive(Clone, Copy, Debug)]
-struct Plan {
-    head: usize,
-    dv_chunks: usize,
+pub(super) struct Plan {
+    pub(super) head: usize,
+    pub(super) dv_chunks: usize,
     /// 0: split-KV partial rows are tokens; else rows per sequence (partial
     /// row `seq * ws_seq_rows + row`), for a mixed batch's decode launch.
-    ws_seq_rows: usize,
-    parts: [Option<Part>; 2],
+    pub(super) ws_seq_rows: usize,
+    pub(super) parts: [Option<Part>; 2],
 }
 
 fn part(
@@ -253,7 +103,12 @@ fn part(
     }
 }
 
-fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Result<Plan> {
+pub(super) fn plan(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    limits: &DeviceLimits,
+) -> Result<Plan> {
+    let sms = limits.sms;
     let host = params.batch.host();
     let Some(&head) = HEAD_SIZES.iter().find(|&&h| h >= dims.head_size) else {
         bail!(
@@ -279,7 +134,7 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
         None => prefill_programs < 2 * sms,
     };
     let prefill = tile_shape(Kind::Prefill, head, small);
-    let parts = if host.max_seqlen_q <= fits {
+    let parts = if host.max_seqlen_q() <= fits {
         [Some(part(Kind::Decode, decode, dims, n, all)), None]
     } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
         [
@@ -296,7 +151,7 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
     // visible keys per segment.
     let auto_segments = |p: &Part, seqs: usize, max_keys: usize| {
         let active = seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
-        let slots = resident_programs(&p.tile, head, fp8) * sms;
+        let slots = resident_programs(&p.tile, head, fp8, limits) * sms;
         let keys = params.sliding_window.map_or(max_keys, |w| w.min(max_keys));
         choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
     };
@@ -310,7 +165,7 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
             }
         }
         (KvSplit::Auto, [Some(p), None]) if host.is_pure_decode() => {
-            p.segments = auto_segments(p, n, host.max_seqlen_k);
+            p.segments = auto_segments(p, n, host.max_seqlen_k());
         }
         (KvSplit::Auto, [Some(d), Some(_)]) => {
             // A mixed batch: only the decode-shaped launch splits; its
@@ -321,7 +176,7 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
                 .collect();
             let max_keys = decode_seqs
                 .iter()
-                .map(|&i| host.seq_lens[i] as usize)
+                .map(|&i| host.seq_lens()[i] as usize)
                 .max()
                 .unwrap_or(0);
             d.segments = auto_segments(d, decode_seqs.len(), max_keys);
@@ -341,19 +196,29 @@ fn plan(params: &PagedAttentionParams, dims: &AttentionDims, sms: usize) -> Resu
 
 /// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64|128` forces the prefill tile's
 /// packed rows (up to head size 128), so that tests cover both instances
-/// whatever the batch size.
+/// whatever the batch size. Read once per process.
 fn prefill_tile_override() -> Option<usize> {
-    std::env::var("CANDLE_PAGED_ATTENTION_PREFILL_ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&rows| rows == 64 || rows == 128)
+    static ROWS: OnceLock<Option<usize>> = OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("CANDLE_PAGED_ATTENTION_PREFILL_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&rows| rows == 64 || rows == 128)
+    })
 }
 
-/// Programs of one instance resident on one SM: the shared-memory limit
-/// (228 KiB per SM, 1 KiB reserved per program) and the register limit
-/// (the launch bounds the instance was compiled with).
-fn resident_programs(tile: &TileShape, head: usize, fp8: bool) -> usize {
-    let by_smem = (228 * 1024) / (smem_bytes(tile, head, fp8) + 1024);
+/// Programs of one instance resident on one SM: the device's shared memory
+/// per SM over the instance's bytes plus the driver's reservation per
+/// program, and the register limit (the launch bounds the instance was
+/// compiled with).
+pub(super) fn resident_programs(
+    tile: &TileShape,
+    head: usize,
+    fp8: bool,
+    limits: &DeviceLimits,
+) -> usize {
+    let by_smem =
+        limits.smem_per_sm / (smem_bytes(tile, head, fp8) + limits.reserved_smem_per_block);
     by_smem.min(tile.max_resident).max(1)
 }
 
@@ -377,19 +242,28 @@ fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
         })
 }
 
+/// The split-KV workspace of one device and the limits its plans use.
+///
+/// Lifetime: created on the first tensor-core launch on the device, grown
+/// (never shrunk) when a call needs more partials, and kept for the life of
+/// the process (the map is a static, never dropped; the driver reclaims the
+/// memory at exit). One per candle device (`DeviceId`), behind a lock held
+/// for the whole launch sequence of a call; the launches go on that
+/// device's stream, so a later call reusing the buffer runs after the
+/// reduce of the earlier one.
 struct Workspace {
-    sms: usize,
-    max_smem: usize,
+    limits: DeviceLimits,
     buf: Option<CudaSlice<f32>>,
 }
 
+/// The per-device workspaces (see [`Workspace`] for their lifetime).
 fn workspaces() -> &'static Mutex<HashMap<DeviceId, Workspace>> {
     static W: OnceLock<Mutex<HashMap<DeviceId, Workspace>>> = OnceLock::new();
     W.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// The device address of an optional f32 tensor (0 when absent), made
-/// contiguous first.
+/// A contiguous copy (or the tensor itself when already contiguous) of an
+/// optional f32 tensor; its device address is taken later, at launch.
 fn contiguous(t: &Option<Tensor>) -> Result<Option<Tensor>> {
     t.as_ref().map(|t| t.contiguous()).transpose()
 }
@@ -484,11 +358,7 @@ fn launch(
     let sinks_a = optional_address(&sinks_g, OP, "sinks", &stream)?;
     let qq_a = optional_address(&qq_g, OP, "qq_bias", &stream)?;
 
-    let kv_scales = if cache_fp8 {
-        params.kv_scales
-    } else {
-        crate::ops::KvScales::default()
-    };
+    let kv_scales = params.effective_kv_scales();
     let out_bytes = n_out * if out_fp8 { 1 } else { q_dtype.size_in_bytes() };
     if poison_outputs() {
         fill_nan(out_addr, out_bytes, &stream)?;
@@ -524,7 +394,7 @@ fn launch(
         num_kv_heads: check_i32("num_kv_heads", dims.num_kv_heads)?,
         head_size: hs as i32,
         block_size: check_i32("block_size", dims.block_size)?,
-        block_table_width: check_i32("block_table_width", host.block_table_width)?,
+        block_table_width: check_i32("block_table_width", host.block_table_width())?,
         max_ranges: ranges_t
             .as_ref()
             .map_or(Ok(0), |t| check_i32("max_ranges", t.dims()[1]))?,
@@ -547,7 +417,7 @@ fn launch(
         v_scale: kv_scales.v_scale,
         out_inv_scale: params.output_scale.map_or(1.0, |s| 1.0 / s),
     };
-    check_i32("max_seqlen_k", host.max_seqlen_k)?;
+    check_i32("max_seqlen_k", host.max_seqlen_k())?;
 
     let cache_suffix = if cache_fp8 { "_fp8" } else { "" };
     if q_dtype == DType::F32 {
@@ -559,13 +429,10 @@ fn launch(
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        check_grid_yz(cfg.grid_dim)?;
-        let mut b = stream.launch_builder(&func);
-        b.arg(&p);
         // SAFETY: every address in `p` points into a live allocation of this
         // device whose extent validation checked against the sizes in `p`;
         // the guards keep them alive and ordered until after the launch.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { launch_attention(&stream, &func, cfg, &p) }?;
         return Ok(());
     }
     let dtype_name = match q_dtype {
@@ -579,16 +446,12 @@ fn launch(
         .map_err(|_| candle_core::Error::Msg(format!("{OP}: workspace lock poisoned")))?;
     let ws = match spaces.entry(dev.id()) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => {
-            let (sms, max_smem) = device_limits(&dev)?;
-            e.insert(Workspace {
-                sms,
-                max_smem,
-                buf: None,
-            })
-        }
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(Workspace {
+            limits: device_limits(&dev)?,
+            buf: None,
+        }),
     };
-    let plan = plan(params, dims, ws.sms)?;
+    let plan = plan(params, dims, &ws.limits)?;
     let segments = plan
         .parts
         .iter()
@@ -632,18 +495,13 @@ fn launch(
         p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
         p.num_segments = part.segments as i32;
         p.seq_programs = (part.kind == Kind::Decode) as i32;
-        let name = format!(
-            "unified_attention_h{}_{}{}_{dtype_name}{cache_suffix}",
-            plan.head,
-            part.kind.name(),
-            part.tile.suffix
-        );
+        let name = instance_name(plan.head, part.kind, &part.tile, dtype_name, cache_fp8);
         let smem = smem_bytes(&part.tile, plan.head, cache_fp8);
-        if smem > ws.max_smem {
+        if smem > ws.limits.max_smem_per_block {
             bail!(
                 "{OP}: head size {} needs {smem} bytes of shared memory per program, this device allows {}",
                 dims.head_size,
-                ws.max_smem
+                ws.limits.max_smem_per_block
             );
         }
         let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
@@ -662,18 +520,15 @@ fn launch(
                 (dims.num_kv_heads * part.head_chunks) as u32,
                 (part.segments * plan.dv_chunks) as u32,
             ),
-            block_dim: ((32 * part.tile.warps_m * part.tile.warps_n) as u32, 1, 1),
+            block_dim: (part.tile.threads() as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        check_grid_yz(cfg.grid_dim)?;
-        let mut b = stream.launch_builder(&func);
-        b.arg(&p);
         // SAFETY: every address in `p` points into a live allocation of this
         // device sized for the dimensions in `p` (validated on the host; the
         // workspace was grown to `ws_len` above); the guards keep them alive
         // and ordered until after the launch; `smem` matches the kernel's
         // layout. The parts write disjoint rows.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { launch_attention(&stream, &func, cfg, &p) }?;
     }
 
     if segments > 1 {
@@ -699,40 +554,12 @@ fn launch(
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        check_grid_yz(cfg.grid_dim)?;
-        let mut b = stream.launch_builder(&func);
-        b.arg(&p);
         // SAFETY: as above; the reduce reads the partials the attention
         // launch just wrote on the same stream.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { launch_attention(&stream, &func, cfg, &p) }?;
     }
     drop(ws_guard);
     Ok(())
-}
-
-/// How `forward` launches this call, in words: each part's tile shape and
-/// its split-KV segments (e.g. `decode split-kv(10)`, `decode + prefill`).
-pub(crate) fn describe(
-    params: &PagedAttentionParams,
-    dims: &AttentionDims,
-    dev: &CudaDevice,
-    q_dtype: DType,
-) -> Result<String> {
-    if q_dtype == DType::F32 {
-        return Ok("scalar f32".to_string());
-    }
-    let (sms, _) = device_limits(dev)?;
-    let plan = plan(params, dims, sms)?;
-    let parts: Vec<String> = plan
-        .parts
-        .iter()
-        .flatten()
-        .map(|p| match p.segments {
-            1 => p.kind.name().to_string(),
-            s => format!("{} split-kv({s})", p.kind.name()),
-        })
-        .collect();
-    Ok(parts.join(" + "))
 }
 
 /// An uninitialised output buffer of `n` elements.
@@ -741,6 +568,29 @@ fn alloc_output<T: CudaDType + DeviceRepr>(dev: &CudaDevice, n: usize) -> Result
     // reads it (poisoning, when on, fills it with NaN first).
     let slice = unsafe { dev.alloc::<T>(n)? };
     Ok(CudaStorage::wrap_cuda_slice(slice, dev.clone()))
+}
+
+/// The one launch sequence of the attention kernels: checks the grid, then
+/// launches `func` on `stream` with the parameter block `p` as its only
+/// argument.
+///
+/// # Safety
+/// Every address in `p` must point into a live allocation of the stream's
+/// device sized for the dimensions in `p`, kept alive and ordered (by the
+/// caller's storage guards) until after the launch, and
+/// `cfg.shared_mem_bytes` must match the kernel's shared-memory layout.
+unsafe fn launch_attention(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    p: &AttnParams,
+) -> Result<()> {
+    check_grid_yz(cfg.grid_dim)?;
+    let mut b = stream.launch_builder(func);
+    b.arg(p);
+    // SAFETY: the caller upholds this function's contract.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 fn check_grid_yz((x, y, z): (u32, u32, u32)) -> Result<()> {

@@ -2,6 +2,8 @@
 //! copies its `num_kv_heads * head_size` row to cache row `slot` (skipping
 //! negative slots and slots past the cache), converting to fp8 for an
 //! `F8E4M3` cache.
+//!
+//! Imports `params`; never `ops` or `cpu`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtrMut, LaunchConfig, PushKernelArg};
@@ -9,7 +11,7 @@ use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
 use super::{device_address, function, ptx, CACHE_MODULE};
-use crate::ops::reshape_and_cache::CacheWrite;
+use crate::params::CacheWrite;
 
 const OP: &str = "reshape-and-cache";
 

@@ -1,194 +1,13 @@
 //! `PagedAttention`: unified attention over a paged KV cache for a mixed
 //! batch of prefills, chunked prefills and decodes, in one call.
+//!
+//! Imports `params` and the backends; nothing above it (`attention`,
+//! `cache`, `metadata`, `models`).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
 
-use crate::batch::PagedBatch;
-use crate::ops::{check_scale, KvScales};
-
-/// Largest head size the kernels accept.
-pub const MAX_HEAD_SIZE: usize = 512;
-
-/// How the CUDA path splits the keys of a decode batch across programs.
-/// The CPU path computes the same function whatever the choice.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum KvSplit {
-    /// Split-KV (segments + reduction) when the batch is decode-only and too
-    /// small to fill the GPU; the segment count follows the SM count and the
-    /// context lengths.
-    #[default]
-    Auto,
-    /// Always the single-pass (2D) kernel.
-    Never,
-    /// Always the split-KV path with this many segments per sequence (at
-    /// least 1), whatever the batch.
-    Segments(u32),
-}
-
-/// Everything `paged_attention` needs besides the query.
-///
-/// # Tensors
-/// * `key_cache`, `value_cache` - `(num_blocks, block_size, num_kv_heads, head_size)`,
-///   contiguous, the query's dtype or `F8E4M3` (then read as `x * k_scale` / `x * v_scale`).
-/// * `alibi_slopes` - `(num_heads,)` f32: adds `slope[h] * (key - context_len)`.
-/// * `sinks` - `(num_heads,)` f32: one logit per head that joins the softmax
-///   denominator and carries no value.
-/// * `qq_bias` - `(rows, cols)` f32 with `rows >= max q_len`: adds
-///   `qq_bias[q_rel][key - context_len]` for keys among the new tokens
-///   (`0 <= key - context_len < cols`).
-///
-/// # Scalars
-/// * `scale` - multiplies `q . k` (usually `1 / sqrt(head_size)`).
-/// * `sliding_window` - `Some(w)` keeps keys with `query_pos - key_pos < w`.
-/// * `softcap` - `Some(c)` with `c > 0` maps scores to `c * tanh(s / c)`;
-///   `None` or `Some(0.0)` is off.
-/// * `kv_scales` - dequantisation scales of an `F8E4M3` cache; normal
-///   positive floats.
-/// * `output_scale` - `Some(s)` returns `F8E4M3` holding `clamp(out / s)`;
-///   `s` a normal positive float.
-/// * `kv_split` - split-KV policy of the CUDA path.
-///
-/// The op does not read `alibi_slopes`, `sinks` or `qq_bias` back to check
-/// their values (on CUDA that would be a device sync per call); a NaN there,
-/// like a NaN or +inf sink, makes the rows it touches NaN.
-/// [`Attention::new`](crate::Attention::new) rejects non-finite slopes and
-/// sinks once, when a layer is built.
-#[derive(Clone, Debug)]
-pub struct PagedAttentionParams {
-    /// `(num_blocks, block_size, num_kv_heads, head_size)`, the query's dtype or `F8E4M3`.
-    pub key_cache: Tensor,
-    /// Same shape and dtype as `key_cache`.
-    pub value_cache: Tensor,
-    /// The sequences: query spans, key counts, block tables, prefix ranges.
-    pub batch: PagedBatch,
-    /// Multiplies `q . k`.
-    pub scale: f32,
-    /// `Some(w)` keeps keys with `query_pos - key_pos < w`.
-    pub sliding_window: Option<usize>,
-    /// `Some(c)`, `c > 0`: scores become `c * tanh(s / c)`; `None` or 0 is off.
-    pub softcap: Option<f32>,
-    /// `(num_heads,)` f32 ALiBi slopes.
-    pub alibi_slopes: Option<Tensor>,
-    /// `(num_heads,)` f32 sink logits.
-    pub sinks: Option<Tensor>,
-    /// `(rows, cols)` f32 query-query bias, `rows >= max q_len`.
-    pub qq_bias: Option<Tensor>,
-    /// Dequantisation scales of an `F8E4M3` cache (ignored otherwise).
-    pub kv_scales: KvScales,
-    /// `Some(s)`: `F8E4M3` output holding `clamp(out / s, -448, 448)`.
-    pub output_scale: Option<f32>,
-    /// Split-KV policy of the CUDA path.
-    pub kv_split: KvSplit,
-}
-
-impl PagedAttentionParams {
-    /// Causal attention over `batch` with the given caches and score scale;
-    /// every optional feature off.
-    pub fn new(key_cache: &Tensor, value_cache: &Tensor, batch: &PagedBatch, scale: f32) -> Self {
-        Self {
-            key_cache: key_cache.clone(),
-            value_cache: value_cache.clone(),
-            batch: batch.clone(),
-            scale,
-            sliding_window: None,
-            softcap: None,
-            alibi_slopes: None,
-            sinks: None,
-            qq_bias: None,
-            kv_scales: KvScales::default(),
-            output_scale: None,
-            kv_split: KvSplit::Auto,
-        }
-    }
-
-    /// Keeps keys with `query_pos - key_pos < window`.
-    pub fn with_sliding_window(mut self, window: Option<usize>) -> Self {
-        self.sliding_window = window;
-        self
-    }
-
-    /// Soft-caps scores at `cap` (`None` or 0 is off).
-    pub fn with_softcap(mut self, cap: Option<f32>) -> Self {
-        self.softcap = cap;
-        self
-    }
-
-    /// ALiBi slopes, `(num_heads,)` f32.
-    pub fn with_alibi_slopes(mut self, slopes: Option<Tensor>) -> Self {
-        self.alibi_slopes = slopes;
-        self
-    }
-
-    /// Attention sinks, `(num_heads,)` f32 logits.
-    pub fn with_sinks(mut self, sinks: Option<Tensor>) -> Self {
-        self.sinks = sinks;
-        self
-    }
-
-    /// Query-query bias, `(rows, cols)` f32.
-    pub fn with_qq_bias(mut self, bias: Option<Tensor>) -> Self {
-        self.qq_bias = bias;
-        self
-    }
-
-    /// Dequantisation scales for an `F8E4M3` cache.
-    pub fn with_kv_scales(mut self, scales: KvScales) -> Self {
-        self.kv_scales = scales;
-        self
-    }
-
-    /// Returns `F8E4M3` output holding `clamp(out / scale, -448, 448)`.
-    pub fn with_output_scale(mut self, scale: Option<f32>) -> Self {
-        self.output_scale = scale;
-        self
-    }
-
-    /// Split-KV policy of the CUDA path.
-    pub fn with_kv_split(mut self, split: KvSplit) -> Self {
-        self.kv_split = split;
-        self
-    }
-
-    /// Softcap value when it is on.
-    pub fn active_softcap(&self) -> Option<f32> {
-        self.softcap.filter(|&c| c > 0.0)
-    }
-
-    /// The output dtype for a query of dtype `q_dtype`.
-    pub fn output_dtype(&self, q_dtype: DType) -> DType {
-        if self.output_scale.is_some() {
-            DType::F8E4M3
-        } else {
-            q_dtype
-        }
-    }
-}
-
-/// Sizes of one validated call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AttentionDims {
-    /// Query rows (dimension 0 of `q`).
-    pub num_tokens: usize,
-    /// Query heads (dimension 1 of `q`).
-    pub num_heads: usize,
-    /// KV heads (dimension 2 of the caches).
-    pub num_kv_heads: usize,
-    /// Head size (dimension 2 of `q`, 3 of the caches).
-    pub head_size: usize,
-    /// Cache blocks (dimension 0 of the caches).
-    pub num_blocks: usize,
-    /// Tokens per block (dimension 1 of the caches).
-    pub block_size: usize,
-}
-
-impl AttentionDims {
-    /// Query heads per KV head (0 when `num_kv_heads` is 0, which validated
-    /// dimensions never are).
-    pub fn group_size(&self) -> usize {
-        self.num_heads.checked_div(self.num_kv_heads).unwrap_or(0)
-    }
-}
+use crate::params::{check_scale, AttentionDims, KvSplit, PagedAttentionParams, MAX_HEAD_SIZE};
 
 const OP: &str = "paged-attention";
 
@@ -290,13 +109,13 @@ impl PagedAttentionParams {
                 host.num_tokens()
             );
         }
-        if host.block_size != block_size {
+        if host.block_size() != block_size {
             bail!(
                 "{OP}: the batch was built for block_size {} but the cache has block_size {block_size}",
-                host.block_size
+                host.block_size()
             );
         }
-        if let Some(id) = host.max_block_id {
+        if let Some(id) = host.max_block_id() {
             if id as usize >= num_blocks {
                 bail!("{OP}: block_tables holds block id {id} >= num_blocks {num_blocks}");
             }
@@ -331,10 +150,10 @@ impl PagedAttentionParams {
                     b.dims()
                 );
             };
-            if rows < host.max_seqlen_q {
+            if rows < host.max_seqlen_q() {
                 bail!(
                     "{OP}: qq_bias has {rows} rows but the longest query span is {}",
-                    host.max_seqlen_q
+                    host.max_seqlen_q()
                 );
             }
         }
@@ -402,7 +221,7 @@ impl CustomOp1 for PagedAttention<'_> {
 pub fn cuda_launch_plan(q: &Tensor, params: &PagedAttentionParams) -> Result<String> {
     let dims = params.validate(q.dtype(), q.shape(), q.device())?;
     match q.device() {
-        Device::Cuda(dev) => crate::cuda::paged_attention::describe(params, &dims, dev, q.dtype()),
+        Device::Cuda(dev) => crate::cuda::describe::describe(params, &dims, dev, q.dtype()),
         other => bail!(
             "{OP}: cuda_launch_plan needs a cuda device, got {:?}",
             other.location()

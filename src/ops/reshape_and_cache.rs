@@ -1,10 +1,13 @@
 //! `ReshapeAndCache`: scatters new keys and values into the paged caches.
+//!
+//! Imports `params`, `batch` and the backends; nothing above it.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Tensor};
 
 use crate::batch::SlotMapping;
-use crate::ops::{check_scale, storage_address, KvScales};
+use crate::ops::storage_address;
+use crate::params::{check_scale, CacheWrite, KvScales};
 
 const OP: &str = "reshape-and-cache";
 
@@ -31,20 +34,6 @@ pub struct ReshapeAndCache {
     /// Divides values stored into an `F8E4M3` cache; must be a normal,
     /// finite, positive float (ignored for other caches).
     pub scale: f32,
-}
-
-/// What a validated call writes: `num_tokens` rows of `row` elements into a
-/// cache of `capacity` rows, multiplied by `inv_scale` for an fp8 cache.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct CacheWrite {
-    /// Tokens (rows of `new`, entries of the slot mapping).
-    pub num_tokens: usize,
-    /// Elements per token: `num_kv_heads * head_size`.
-    pub row: usize,
-    /// Cache rows: `num_blocks * block_size`; valid slots are `0..capacity`.
-    pub capacity: usize,
-    /// `1 / scale` for an `F8E4M3` cache (finite: the scale is normal), else 1.
-    pub inv_scale: f32,
 }
 
 impl ReshapeAndCache {

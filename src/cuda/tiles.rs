@@ -1,0 +1,138 @@
+//! The tile table of the tensor-core kernel: the program shape of every
+//! instance, its threads and its dynamic shared memory.
+//!
+//! This file is the one definition of those figures. It is dependency-free
+//! (std only, no `crate::` or `super::` paths) because build.rs includes it
+//! too (`#[path]`) to generate `$OUT_DIR/kernel_contract.cuh`, whose
+//! per-instance constants kernels/unified_attention.cu checks with
+//! `static_assert`s against its `Cfg` and `Smem` in the `CPA_ATTN` macros.
+//!
+//! A leaf: imports nothing.
+
+/// Padded head sizes with a compiled kernel instance.
+pub(crate) const HEAD_SIZES: [usize; 5] = [32, 64, 128, 256, 512];
+
+/// Program shape of the tensor-core kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// 16 packed rows, 4 warps splitting 64 keys per tile.
+    Decode,
+    /// 128 packed rows (4 warps x 2 x 16) by default; 64 rows (4 warps x 16)
+    /// when the launch has less than a wave of programs and for head sizes
+    /// above 128. One warp per key tile.
+    Prefill,
+}
+
+impl Kind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::Decode => "decode",
+            Kind::Prefill => "prefill",
+        }
+    }
+}
+
+/// The tile shape of one kernel instance; mirrors `Cfg` in
+/// kernels/unified_attention.cu.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TileShape {
+    /// Warps along the packed query rows.
+    pub(crate) warps_m: usize,
+    /// Warps splitting the keys of a tile.
+    pub(crate) warps_n: usize,
+    /// Keys per warp per tile.
+    pub(crate) keys_per_warp: usize,
+    /// 16-row MMA tiles per warp.
+    pub(crate) m_tiles: usize,
+    /// K/V tiles in the cp.async ring.
+    pub(crate) stages: usize,
+    /// Programs per SM the kernel's launch bounds allow by registers.
+    pub(crate) max_resident: usize,
+    /// Kernel name suffix after the kind (`""` or `"_m1"`).
+    pub(crate) suffix: &'static str,
+}
+
+impl TileShape {
+    /// Threads per program (the `__launch_bounds__` of the instance).
+    pub(crate) fn threads(&self) -> usize {
+        32 * self.warps_m * self.warps_n
+    }
+    /// Packed rows per program.
+    pub(crate) fn rows(&self) -> usize {
+        16 * self.m_tiles * self.warps_m
+    }
+    /// Keys per tile.
+    pub(crate) fn keys(&self) -> usize {
+        self.keys_per_warp * self.warps_n
+    }
+}
+
+/// The instance a launch of `kind` uses for padded head size `head`.
+/// `small`: a prefill launch with less than a wave of 128-row programs,
+/// which then takes 64-row ones (twice the programs) where both exist.
+pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
+    match kind {
+        Kind::Decode => TileShape {
+            warps_m: 1,
+            warps_n: 4,
+            keys_per_warp: 16,
+            m_tiles: 1,
+            stages: 2,
+            max_resident: match head {
+                0..=64 => 4,
+                65..=128 => 3,
+                _ => 2,
+            },
+            suffix: "",
+        },
+        Kind::Prefill => {
+            let two_tiles = head <= 128 && !small;
+            TileShape {
+                warps_m: 4,
+                warps_n: 1,
+                keys_per_warp: if head <= 128 { 64 } else { 32 },
+                m_tiles: if two_tiles { 2 } else { 1 },
+                stages: 2,
+                max_resident: 2,
+                suffix: if head <= 128 && small { "_m1" } else { "" },
+            }
+        }
+    }
+}
+
+/// Dynamic shared memory of one instance; mirrors `Smem` in
+/// kernels/unified_attention.cu.
+pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
+    let dv = head.min(256);
+    let (bm, bn, st) = (tile.rows(), tile.keys(), tile.stages);
+    let (qs, ks, vs, cs) = (head + 8, head + 8, dv + 8, dv + 8);
+    let q = bm * qs * 2;
+    let red = 2 * tile.warps_n * bm * 4;
+    let offsets = st * bn * 8;
+    let tiles = if fp8 {
+        bn * ks * 2 + bn * vs * 2 + st * bn * (head + dv)
+    } else {
+        st * bn * (ks + vs) * 2
+    };
+    let merge = tile.warps_n * bm * cs * 4;
+    q + red + offsets + tiles.max(merge)
+}
+
+/// The kernel name of a tensor-core instance,
+/// `unified_attention_h{head}_{kind}{suffix}_{dtype}[_fp8]`: the one place
+/// this format lives on the Rust side (the `CPA_ATTN` macros of
+/// kernels/unified_attention.cu build the same names).
+pub(crate) fn instance_name(
+    head: usize,
+    kind: Kind,
+    tile: &TileShape,
+    dtype_name: &str,
+    fp8: bool,
+) -> String {
+    let cache_suffix = if fp8 { "_fp8" } else { "" };
+    format!(
+        "unified_attention_h{head}_{}{}_{dtype_name}{cache_suffix}",
+        kind.name(),
+        tile.suffix
+    )
+}

@@ -1,0 +1,37 @@
+//! The launch plan's figures for every tensor-core kernel instance (each
+//! padded head size, program shape, query dtype and cache kind) against what
+//! the driver reports for the compiled kernel: threads per program, static
+//! shared memory and programs resident per SM (occupancy API at the planned
+//! threads and dynamic shared memory). GPU only: without the `cuda`
+//! feature this binary is empty.
+#![cfg(feature = "cuda")]
+
+#[macro_use]
+mod common;
+
+use anyhow::{ensure, Result};
+use candle_core::Device;
+
+cuda_test! {
+    /// Threads, shared memory and residency of the plan equal the driver's.
+    fn plan_matches_the_driver(dev: &Device) -> Result<()> {
+        let Device::Cuda(cuda) = dev else {
+            anyhow::bail!("a cuda device expected, got {:?}", dev.location());
+        };
+        let reports = candle_paged_attention::kernel_instance_reports(cuda)?;
+        // 5 head sizes x (decode + prefill) + 3 head sizes with a 64-row
+        // prefill tile, each for bf16/f16 queries and plain/fp8 caches.
+        ensure!(reports.len() == (5 * 2 + 3) * 4, "{} instances", reports.len());
+        let mut bad = Vec::new();
+        for r in &reports {
+            if r.planned_threads != r.driver_max_threads
+                || r.driver_static_smem != 0
+                || r.planned_resident != r.driver_resident
+            {
+                bad.push(format!("{r:?}"));
+            }
+        }
+        ensure!(bad.is_empty(), "plan and driver disagree:\n{}", bad.join("\n"));
+        Ok(())
+    }
+}
