@@ -27,8 +27,12 @@ fn metadata_tables_and_slots(dev: &Device) -> Result<()> {
     ensure!(b.token_ids == [10, 11, 12, 13, 14, 20, 21]);
     ensure!(b.seq_ids == [1, 2] && b.last_rows == [4, 6] && b.ready == [false, true]);
     let host = b.metadata.batch().host();
-    ensure!(host.cu_seqlens_q == [0, 5, 7] && host.seq_lens == [5, 2]);
-    ensure!(host.block_tables == [0, 1, 2, 0], "{:?}", host.block_tables);
+    ensure!(host.cu_seqlens_q() == [0, 5, 7] && host.seq_lens() == [5, 2]);
+    ensure!(
+        host.block_tables() == [0, 1, 2, 0],
+        "{:?}",
+        host.block_tables()
+    );
     ensure!(b.metadata.slot_mapping().host() == [0, 1, 2, 3, 4, 8, 9]);
     ensure!(b.metadata.positions_host() == [0, 1, 2, 3, 4, 0, 1]);
     // The rest of the prompt with a decode in the same batch.
@@ -162,7 +166,7 @@ fn prefix_blocks_are_shared_and_freed_when_unused(dev: &Device) -> Result<()> {
     ensure!(mgr.block_ref_count(table_a[0]) == 2 && mgr.block_ref_count(table_a[2]) == 1);
     let batch = mgr.schedule(&[prefill(2, 3)], dev)?;
     ensure!(batch.metadata.positions_host() == [8, 9, 10]);
-    ensure!(batch.metadata.batch().host().seq_lens == [11]);
+    ensure!(batch.metadata.batch().host().seq_lens() == [11]);
     ensure!(mgr.num_free_blocks() == 12 - 3 - 1);
 
     // Freeing one user keeps shared blocks in use.
@@ -226,9 +230,9 @@ fn window_blocks_are_recycled(dev: &Device) -> Result<()> {
     // block 0 where a block was recycled.
     let group = &b.metadata.window_groups()[0];
     ensure!(group.window() == 4);
-    ensure!(group.batch().host().seq_lens == b.metadata.batch().host().seq_lens);
+    ensure!(group.batch().host().seq_lens() == b.metadata.batch().host().seq_lens());
     let expected: Vec<u32> = table.iter().map(|b| b.unwrap_or(0)).collect();
-    ensure!(group.batch().host().block_tables == expected);
+    ensure!(group.batch().host().block_tables() == expected);
     let s = table[3].unwrap() as i64 * 2;
     ensure!(group.slot_mapping().host() == [s, s + 1]);
     // A long decode never needs more than 3 group blocks.
@@ -291,7 +295,7 @@ fn rollback_restores_the_state_exactly(dev: &Device) -> Result<()> {
     let retry = mgr.schedule(&[decode(1, 5), prefill(2, 2)], dev)?;
     ensure!(retry.token_ids == [5, 10, 11]);
     ensure!(retry.metadata.positions_host() == [4, 3, 4]);
-    ensure!(retry.metadata.batch().host().seq_lens == [5, 5]);
+    ensure!(retry.metadata.batch().host().seq_lens() == [5, 5]);
     ensure!(mgr.tokens(1) == Some(&[1, 2, 3, 4, 5][..]));
     // Only the last batch, before any other change, can be rolled back.
     let next = mgr.schedule(&[decode(1, 6)], dev)?;

@@ -216,15 +216,15 @@ impl PagedModel for MockModel {
             bail!("{INJECTED} after storing (forward call {call})");
         }
         let host = metadata.batch().host();
-        let width = host.block_table_width;
-        let bs = host.block_size;
+        let width = host.block_table_width();
+        let bs = host.block_size();
         let full: Vec<f32> = cache.layer(0).value().flatten_all()?.to_vec1()?;
         let windowed = match (self.window, self.layers.len()) {
             (Some(w), 2) => {
                 let values: Vec<f32> = cache.layer(1).value().flatten_all()?.to_vec1()?;
                 let tables = match metadata.window_groups().first() {
-                    Some(g) => g.batch().host().block_tables.clone(),
-                    None => host.block_tables.clone(),
+                    Some(g) => g.batch().host().block_tables().to_vec(),
+                    None => host.block_tables().to_vec(),
                 };
                 Some((w, values, tables))
             }
@@ -232,13 +232,14 @@ impl PagedModel for MockModel {
         };
         let mut logits = vec![0f32; rows.len() * self.vocab];
         for (r, &row) in rows.iter().enumerate() {
-            let Some(seq) = (0..host.cu_seqlens_q.len() - 1).find(|&i| {
-                (host.cu_seqlens_q[i] as usize..host.cu_seqlens_q[i + 1] as usize).contains(&row)
+            let Some(seq) = (0..host.cu_seqlens_q().len() - 1).find(|&i| {
+                (host.cu_seqlens_q()[i] as usize..host.cu_seqlens_q()[i + 1] as usize)
+                    .contains(&row)
             }) else {
                 bail!("mock: row {row} outside the batch");
             };
             let p = positions[row] as usize;
-            let table = &host.block_tables[seq * width..(seq + 1) * width];
+            let table = &host.block_tables()[seq * width..(seq + 1) * width];
             let mut pairs = read_pairs(&full, table, bs, 0, p);
             if let Some((w, values, tables)) = &windowed {
                 let table = &tables[seq * width..(seq + 1) * width];
