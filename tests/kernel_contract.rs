@@ -13,7 +13,12 @@ use anyhow::{ensure, Result};
 use candle_core::Device;
 
 cuda_test! {
-    /// Threads, shared memory and residency of the plan equal the driver's.
+    /// Threads and shared memory of the plan equal the driver's; residency
+    /// equals the driver's occupancy for decode-shaped instances (it sets
+    /// the split-KV segment count) and never exceeds it for prefill-shaped
+    /// ones (where the plan's figure is a lower bound that drives nothing:
+    /// the driver fits 3-4 of the 64-row head-32/64 programs per SM where
+    /// the tile table says 2).
     fn plan_matches_the_driver(dev: &Device) -> Result<()> {
         let Device::Cuda(cuda) = dev else {
             anyhow::bail!("a cuda device expected, got {:?}", dev.location());
@@ -24,9 +29,12 @@ cuda_test! {
         ensure!(reports.len() == (5 * 2 + 3) * 4, "{} instances", reports.len());
         let mut bad = Vec::new();
         for r in &reports {
-            if r.planned_threads != r.driver_max_threads
-                || r.driver_static_smem != 0
-                || r.planned_resident != r.driver_resident
+            let resident_ok = if r.drives_split_kv {
+                r.planned_resident == r.driver_resident
+            } else {
+                r.planned_resident <= r.driver_resident
+            };
+            if r.planned_threads != r.driver_max_threads || r.driver_static_smem != 0 || !resident_ok
             {
                 bad.push(format!("{r:?}"));
             }

@@ -49,8 +49,14 @@ pub struct KernelInstanceReport {
     pub planned_threads: usize,
     /// Dynamic shared memory per program the launch requests (bytes).
     pub planned_smem: usize,
-    /// Programs per SM the split-KV heuristic assumes.
+    /// Programs per SM the plan assumes (shared memory per SM and the tile
+    /// table's register bound). Only decode-shaped instances' figures drive
+    /// a decision (the split-KV segment count); for prefill-shaped ones it is
+    /// a lower bound.
     pub planned_resident: usize,
+    /// True for decode-shaped instances, whose residency the split-KV
+    /// heuristic uses.
+    pub drives_split_kv: bool,
     /// `CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK` of the loaded kernel.
     pub driver_max_threads: usize,
     /// `CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES` (static shared memory; the
@@ -96,6 +102,7 @@ pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceRep
                         planned_threads: threads,
                         planned_smem: smem,
                         planned_resident: resident_programs(&tile, head, fp8, &limits),
+                        drives_split_kv: kind == Kind::Decode,
                         driver_max_threads: attr(F::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
                         driver_static_smem: attr(F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
                         driver_resident: resident as usize,
