@@ -8,7 +8,7 @@
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result};
 
-use super::paged_attention::{plan, resident_programs};
+use super::plan::{plan, resident_programs};
 use super::tiles::{instance_name, smem_bytes, tile_shape, Kind, HEAD_SIZES};
 use super::{device_limits, function, ptx, ATTENTION_MODULE};
 use crate::params::{AttentionDims, PagedAttentionParams};

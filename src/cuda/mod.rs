@@ -11,8 +11,10 @@
 pub(crate) mod contract;
 pub(crate) mod describe;
 pub(crate) mod paged_attention;
+pub(crate) mod plan;
 pub(crate) mod reshape_and_cache;
 pub(crate) mod tiles;
+pub(crate) mod workspace;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};

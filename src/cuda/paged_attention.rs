@@ -1,5 +1,6 @@
-//! Launch plumbing of `PagedAttention` on CUDA: kernel choice, tile shape,
-//! split-KV segment count, the reusable split-KV workspace, and the launches.
+//! Launches of `PagedAttention` on CUDA: the parameter block, the kernel
+//! launches of a plan (decided in `plan`) and the split-KV reduce into the
+//! per-device workspace (owned by `workspace`).
 //!
 //! f16/bf16 queries run the tensor-core kernel
 //! (`unified_attention_h{HEAD}_{kind}_{dtype}[_fp8]`), either writing the
@@ -21,246 +22,36 @@
 //! allocation besides its output, so it can be captured in a CUDA graph
 //! (`examples/bench.rs` times graph replays).
 //!
-//! Imports `params`; never `ops` or `cpu`.
-
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+//! `launch` runs named steps: `gather_params` (device addresses, their
+//! guards and the parameter block), then `launch_scalar` for f32, or
+//! `ensure_workspace`, `launch_parts` and `launch_reduce`. Every launch
+//! goes through `launch_attention` (grid check, then launch).
+//!
+//! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
-use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
-use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Tensor};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{
+    bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, StorageRef, Tensor,
+};
 
 use super::contract::AttnParams;
-use super::tiles::{instance_name, smem_bytes, tile_shape, Kind, TileShape, HEAD_SIZES};
+use super::plan::{plan, Plan};
+use super::tiles::{instance_name, smem_bytes, Kind};
+use super::workspace::{self, Workspace};
 use super::{
-    cuda_storage, device_address, device_limits, fill_nan, function, optional_address,
-    poison_outputs, ptx, DeviceLimits, ATTENTION_MODULE,
+    cuda_storage, device_address, fill_nan, function, optional_address, poison_outputs, ptx,
+    DeviceLimits, ATTENTION_MODULE,
 };
-use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
+use crate::params::{AttentionDims, PagedAttentionParams};
 
 const OP: &str = "paged-attention";
 
-/// Most split-KV segments per (sequence, KV head).
-pub(crate) const MAX_SEGMENTS: usize = 256;
 /// Threads of every attention program (4 warps).
 const THREADS: u32 = 128;
-
-/// One launch of the tensor-core kernel: a tile shape and the sequences
-/// (by new-token count) whose programs do work.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Part {
-    pub(super) kind: Kind,
-    pub(super) tile: TileShape,
-    /// Split-KV segments of this launch (1: it writes the output).
-    pub(super) segments: usize,
-    pub(super) group_entries: usize,
-    pub(super) head_chunks: usize,
-    pub(super) grid_x: usize,
-    pub(super) q_len_min: usize,
-    pub(super) q_len_max: usize,
-}
-
-/// How one call is launched: one part, or two for a batch that mixes
-/// sequences that fit a decode-shaped program with longer ones.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Plan {
-    pub(super) head: usize,
-    pub(super) dv_chunks: usize,
-    /// 0: split-KV partial rows are tokens; else rows per sequence (partial
-    /// row `seq * ws_seq_rows + row`), for a mixed batch's decode launch.
-    pub(super) ws_seq_rows: usize,
-    pub(super) parts: [Option<Part>; 2],
-}
-
-fn part(
-    kind: Kind,
-    tile: TileShape,
-    dims: &AttentionDims,
-    num_seqs: usize,
-    q_lens: (usize, usize),
-) -> Part {
-    let group = dims.group_size();
-    let group_entries = group.min(tile.rows());
-    let block_q = tile.rows() / group_entries;
-    // A decode-shaped launch serves spans of at most `block_q` rows: one
-    // program per sequence.
-    let grid_x = match kind {
-        Kind::Decode => num_seqs,
-        Kind::Prefill => dims.num_tokens / block_q + num_seqs,
-    };
-    Part {
-        kind,
-        tile,
-        segments: 1,
-        group_entries,
-        head_chunks: group.div_ceil(group_entries),
-        grid_x,
-        q_len_min: q_lens.0,
-        q_len_max: q_lens.1,
-    }
-}
-
-pub(super) fn plan(
-    params: &PagedAttentionParams,
-    dims: &AttentionDims,
-    limits: &DeviceLimits,
-) -> Result<Plan> {
-    let sms = limits.sms;
-    let host = params.batch.host();
-    let Some(&head) = HEAD_SIZES.iter().find(|&&h| h >= dims.head_size) else {
-        bail!(
-            "{OP}: head_size {} exceeds the largest kernel (512)",
-            dims.head_size
-        );
-    };
-    let group = dims.group_size();
-    let n = host.num_seqs();
-    let all = (0, i32::MAX as usize);
-    // Longest span whose rows (times the packed heads) fit one decode-shaped program.
-    let fits = 16 / group.min(16);
-    let decode = tile_shape(Kind::Decode, head, false);
-    // Prefill programs of 128 rows: less than a wave takes 64-row ones.
-    let prefill_programs: usize = (0..n)
-        .filter(|&i| host.q_len(i) > fits)
-        .map(|i| host.q_len(i).div_ceil(128 / group.min(128)))
-        .sum::<usize>()
-        * dims.num_kv_heads
-        * group.div_ceil(128);
-    let small = match prefill_tile_override() {
-        Some(rows) => rows == 64,
-        None => prefill_programs < 2 * sms,
-    };
-    let prefill = tile_shape(Kind::Prefill, head, small);
-    let parts = if host.max_seqlen_q() <= fits {
-        [Some(part(Kind::Decode, decode, dims, n, all)), None]
-    } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
-        [
-            Some(part(Kind::Decode, decode, dims, n, (1, fits))),
-            Some(part(Kind::Prefill, prefill, dims, n, (fits + 1, all.1))),
-        ]
-    } else {
-        [Some(part(Kind::Prefill, prefill, dims, n, all)), None]
-    };
-    let dv_chunks = head / head.min(256);
-    let fp8 = params.key_cache.dtype() == DType::F8E4M3;
-    // Split so that the decode-shaped programs, one per (sequence, KV head,
-    // chunk), fill whole waves of resident programs, with at least 128
-    // visible keys per segment.
-    let auto_segments = |p: &Part, seqs: usize, max_keys: usize| {
-        let active = seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
-        let slots = resident_programs(&p.tile, head, fp8, limits) * sms;
-        let keys = params.sliding_window.map_or(max_keys, |w| w.min(max_keys));
-        choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
-    };
-    let mut parts = parts;
-    let mut ws_seq_rows = 0;
-    match (params.kv_split, &mut parts) {
-        (KvSplit::Never, _) => {}
-        (KvSplit::Segments(k), parts) => {
-            for p in parts.iter_mut().flatten() {
-                p.segments = (k as usize).clamp(1, MAX_SEGMENTS);
-            }
-        }
-        (KvSplit::Auto, [Some(p), None]) if host.is_pure_decode() => {
-            p.segments = auto_segments(p, n, host.max_seqlen_k());
-        }
-        (KvSplit::Auto, [Some(d), Some(_)]) => {
-            // A mixed batch: only the decode-shaped launch splits; its
-            // partials are indexed by (sequence, row) so the workspace does
-            // not grow with the prefill tokens.
-            let decode_seqs: Vec<usize> = (0..n)
-                .filter(|&i| (1..=fits).contains(&host.q_len(i)))
-                .collect();
-            let max_keys = decode_seqs
-                .iter()
-                .map(|&i| host.seq_lens()[i] as usize)
-                .max()
-                .unwrap_or(0);
-            d.segments = auto_segments(d, decode_seqs.len(), max_keys);
-            if d.segments > 1 {
-                ws_seq_rows = fits;
-            }
-        }
-        (KvSplit::Auto, _) => {}
-    }
-    Ok(Plan {
-        head,
-        dv_chunks,
-        ws_seq_rows,
-        parts,
-    })
-}
-
-/// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64|128` forces the prefill tile's
-/// packed rows (up to head size 128), so that tests cover both instances
-/// whatever the batch size. Read once per process.
-fn prefill_tile_override() -> Option<usize> {
-    static ROWS: OnceLock<Option<usize>> = OnceLock::new();
-    *ROWS.get_or_init(|| {
-        std::env::var("CANDLE_PAGED_ATTENTION_PREFILL_ROWS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&rows| rows == 64 || rows == 128)
-    })
-}
-
-/// Programs of one instance resident on one SM: the device's shared memory
-/// per SM over the instance's bytes plus the driver's reservation per
-/// program, and the register limit (the launch bounds the instance was
-/// compiled with).
-pub(super) fn resident_programs(
-    tile: &TileShape,
-    head: usize,
-    fp8: bool,
-    limits: &DeviceLimits,
-) -> usize {
-    let by_smem =
-        limits.smem_per_sm / (smem_bytes(tile, head, fp8) + limits.reserved_smem_per_block);
-    by_smem.min(tile.max_resident).max(1)
-}
-
-/// Segments per program for `active` programs on `slots` resident ones.
-/// Less than a wave: as many segments as still fit one wave. Otherwise the
-/// smallest count (up to `max_segments`) whose waves come within 3% of
-/// perfectly filled ones, else the count with the best-filled waves.
-fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
-    let (active, slots) = (active.max(1), slots.max(1));
-    if active <= slots {
-        return (slots / active).clamp(1, max_segments.max(1));
-    }
-    let waves = |s: usize| (active * s).div_ceil(slots) as f64 / s as f64;
-    let ideal = active as f64 / slots as f64;
-    (1..=max_segments)
-        .find(|&s| waves(s) <= ideal * 1.03)
-        .unwrap_or_else(|| {
-            (1..=max_segments)
-                .min_by(|&a, &b| waves(a).total_cmp(&waves(b)))
-                .unwrap_or(1)
-        })
-}
-
-/// The split-KV workspace of one device and the limits its plans use.
-///
-/// Lifetime: created on the first tensor-core launch on the device, grown
-/// (never shrunk) when a call needs more partials, and kept for the life of
-/// the process (the map is a static, never dropped; the driver reclaims the
-/// memory at exit). One per candle device (`DeviceId`), behind a lock held
-/// for the whole launch sequence of a call; the launches go on that
-/// device's stream, so a later call reusing the buffer runs after the
-/// reduce of the earlier one.
-struct Workspace {
-    limits: DeviceLimits,
-    buf: Option<CudaSlice<f32>>,
-}
-
-/// The per-device workspaces (see [`Workspace`] for their lifetime).
-fn workspaces() -> &'static Mutex<HashMap<DeviceId, Workspace>> {
-    static W: OnceLock<Mutex<HashMap<DeviceId, Workspace>>> = OnceLock::new();
-    W.get_or_init(|| Mutex::new(HashMap::new()))
-}
 
 /// A contiguous copy (or the tensor itself when already contiguous) of an
 /// optional f32 tensor; its device address is taken later, at launch.
@@ -309,7 +100,10 @@ pub(crate) fn forward(
     Ok((out, shape))
 }
 
-/// Enqueues the kernels of one forward on the query's stream, writing `out`.
+/// Enqueues the kernels of one forward on the query's stream, writing `out`:
+/// gathers the parameter block, then runs the f32 scalar kernel, or the
+/// tensor-core parts of the plan followed by the split-KV reduce when a part
+/// splits.
 fn launch(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
@@ -320,48 +114,169 @@ fn launch(
 ) -> Result<()> {
     let dev = q.device().clone();
     let stream = dev.cuda_stream();
+    let cache_fp8 = params.key_cache.dtype() == DType::F8E4M3;
+
+    let copies = OptionalInputs::contiguous(params)?;
+    let storages = Storages::lock(params, &copies);
+    let inputs = Inputs {
+        q,
+        q_layout,
+        out,
+        n_out,
+    };
+    // Each `_sync` guard lives until after the launches (end of scope).
+    let (mut p, _sync) = gather_params(params, dims, &inputs, &storages, &copies, &stream)?;
+
+    let dtype_name = match q.dtype() {
+        DType::F32 => return launch_scalar(&dev, &stream, dims, cache_fp8, &p),
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        dt => bail!("{OP}: q must be f32, f16 or bf16, got {dt:?}"),
+    };
+
+    let mut spaces = workspace::lock()?;
+    let ws = workspace::for_device(&mut spaces, &dev)?;
+    let limits = ws.limits;
+    let plan = plan(params, dims, &limits)?;
+    let split = SplitLayout::of(&plan, params, dims);
+    p.ws_seq_rows = plan.ws_seq_rows as i32;
+    let _ws_sync = ensure_workspace(ws, &dev, &stream, &split, dims, &mut p)?;
+    let kernels = Kernels {
+        dev: &dev,
+        stream: &stream,
+        dtype_name,
+        cache_fp8,
+    };
+    launch_parts(&kernels, &plan, &limits, dims, &mut p)?;
+    if split.segments > 1 {
+        launch_reduce(&kernels, &plan, &split, dims, &mut p)?;
+    }
+    Ok(())
+}
+
+/// The query and output storages of one forward.
+struct Inputs<'a> {
+    q: &'a CudaStorage,
+    q_layout: &'a Layout,
+    out: &'a CudaStorage,
+    n_out: usize,
+}
+
+/// Contiguous copies of the optional inputs (`prefix_ranges`, ALiBi slopes,
+/// sinks, `qq_bias`), owned for the duration of the launches.
+struct OptionalInputs {
+    ranges: Option<Tensor>,
+    alibi: Option<Tensor>,
+    sinks: Option<Tensor>,
+    qq: Option<Tensor>,
+}
+
+impl OptionalInputs {
+    fn contiguous(params: &PagedAttentionParams) -> Result<Self> {
+        Ok(Self {
+            ranges: params
+                .batch
+                .prefix_ranges()
+                .map(|t| t.contiguous())
+                .transpose()?,
+            alibi: contiguous(&params.alibi_slopes)?,
+            sinks: contiguous(&params.sinks)?,
+            qq: contiguous(&params.qq_bias)?,
+        })
+    }
+}
+
+/// A locked storage and its layout.
+type Locked<'t> = (StorageRef<'t>, &'t Layout);
+
+/// The storage guards of every tensor the kernels read besides the query,
+/// held until the launches are enqueued.
+struct Storages<'t> {
+    k: Locked<'t>,
+    v: Locked<'t>,
+    cu: Locked<'t>,
+    sl: Locked<'t>,
+    bt: Locked<'t>,
+    ranges: Option<Locked<'t>>,
+    alibi: Option<Locked<'t>>,
+    sinks: Option<Locked<'t>>,
+    qq: Option<Locked<'t>>,
+}
+
+impl<'t> Storages<'t> {
+    fn lock(params: &'t PagedAttentionParams, copies: &'t OptionalInputs) -> Self {
+        let batch = &params.batch;
+        Self {
+            k: params.key_cache.storage_and_layout(),
+            v: params.value_cache.storage_and_layout(),
+            cu: batch.cu_seqlens_q().storage_and_layout(),
+            sl: batch.seq_lens().storage_and_layout(),
+            bt: batch.block_tables().storage_and_layout(),
+            ranges: copies.ranges.as_ref().map(|t| t.storage_and_layout()),
+            alibi: copies.alibi.as_ref().map(|t| t.storage_and_layout()),
+            sinks: copies.sinks.as_ref().map(|t| t.storage_and_layout()),
+            qq: copies.qq.as_ref().map(|t| t.storage_and_layout()),
+        }
+    }
+}
+
+/// Guards that record, when dropped, the kernels' use of each device address
+/// on the stream; drop them only after the launches are enqueued.
+struct SyncGuards<'a> {
+    /// Held only for their drop.
+    _held: Vec<SyncOnDrop<'a>>,
+}
+
+/// Gathers the device addresses (with their guards) and fills the parameter
+/// block of one forward; the per-part fields (`group_entries`, segments,
+/// workspace addresses, ...) are left for the launch steps. Poisons the
+/// output when poisoning is on.
+fn gather_params<'a>(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    inputs: &Inputs<'a>,
+    s: &'a Storages<'_>,
+    copies: &OptionalInputs,
+    stream: &'a CudaStream,
+) -> Result<(AttnParams, SyncGuards<'a>)> {
     let host = params.batch.host();
-    let q_dtype = q.dtype();
+    let q_dtype = inputs.q.dtype();
     let cache_fp8 = params.key_cache.dtype() == DType::F8E4M3;
     let out_fp8 = params.output_scale.is_some();
 
-    // Device addresses; each `_sync` guard lives until after the launches.
-    let (kg, kl) = params.key_cache.storage_and_layout();
-    let (vg, vl) = params.value_cache.storage_and_layout();
-    let kcs = cuda_storage(&kg, OP, "key_cache")?;
-    let vcs = cuda_storage(&vg, OP, "value_cache")?;
-    let batch = &params.batch;
-    let (cug, cul) = batch.cu_seqlens_q().storage_and_layout();
-    let (slg, sll) = batch.seq_lens().storage_and_layout();
-    let (btg, btl) = batch.block_tables().storage_and_layout();
-    let cucs = cuda_storage(&cug, OP, "cu_seqlens_q")?;
-    let slcs = cuda_storage(&slg, OP, "seq_lens")?;
-    let btcs = cuda_storage(&btg, OP, "block_tables")?;
-    let ranges_t = batch.prefix_ranges().map(|t| t.contiguous()).transpose()?;
-    let alibi_t = contiguous(&params.alibi_slopes)?;
-    let sinks_t = contiguous(&params.sinks)?;
-    let qq_t = contiguous(&params.qq_bias)?;
-    let ranges_g = ranges_t.as_ref().map(|t| t.storage_and_layout());
-    let alibi_g = alibi_t.as_ref().map(|t| t.storage_and_layout());
-    let sinks_g = sinks_t.as_ref().map(|t| t.storage_and_layout());
-    let qq_g = qq_t.as_ref().map(|t| t.storage_and_layout());
+    let kcs = cuda_storage(&s.k.0, OP, "key_cache")?;
+    let vcs = cuda_storage(&s.v.0, OP, "value_cache")?;
+    let cucs = cuda_storage(&s.cu.0, OP, "cu_seqlens_q")?;
+    let slcs = cuda_storage(&s.sl.0, OP, "seq_lens")?;
+    let btcs = cuda_storage(&s.bt.0, OP, "block_tables")?;
 
-    let (q_addr, _q_sync) = device_address(q, q_layout, &stream);
-    let (k_addr, _k_sync) = device_address(kcs, kl, &stream);
-    let (v_addr, _v_sync) = device_address(vcs, vl, &stream);
-    let (out_addr, _out_sync) = device_address(out, &Layout::contiguous((n_out,)), &stream);
-    let (cu_addr, _cu_sync) = device_address(cucs, cul, &stream);
-    let (sl_addr, _sl_sync) = device_address(slcs, sll, &stream);
-    let (bt_addr, _bt_sync) = device_address(btcs, btl, &stream);
-    let ranges_a = optional_address(&ranges_g, OP, "prefix_ranges", &stream)?;
-    let alibi_a = optional_address(&alibi_g, OP, "alibi_slopes", &stream)?;
-    let sinks_a = optional_address(&sinks_g, OP, "sinks", &stream)?;
-    let qq_a = optional_address(&qq_g, OP, "qq_bias", &stream)?;
+    let n_out = inputs.n_out;
+    let (q_addr, q_sync) = device_address(inputs.q, inputs.q_layout, stream);
+    let (k_addr, k_sync) = device_address(kcs, s.k.1, stream);
+    let (v_addr, v_sync) = device_address(vcs, s.v.1, stream);
+    let (out_addr, out_sync) = device_address(inputs.out, &Layout::contiguous((n_out,)), stream);
+    let (cu_addr, cu_sync) = device_address(cucs, s.cu.1, stream);
+    let (sl_addr, sl_sync) = device_address(slcs, s.sl.1, stream);
+    let (bt_addr, bt_sync) = device_address(btcs, s.bt.1, stream);
+    let mut guards = vec![q_sync, k_sync, v_sync, out_sync, cu_sync, sl_sync, bt_sync];
+    let mut optional = |g: &'a Option<Locked<'_>>, name: &str| -> Result<u64> {
+        Ok(match optional_address(g, OP, name, stream)? {
+            Some((addr, sync)) => {
+                guards.push(sync);
+                addr
+            }
+            None => 0,
+        })
+    };
+    let ranges_a = optional(&s.ranges, "prefix_ranges")?;
+    let alibi_a = optional(&s.alibi, "alibi_slopes")?;
+    let sinks_a = optional(&s.sinks, "sinks")?;
+    let qq_a = optional(&s.qq, "qq_bias")?;
 
     let kv_scales = params.effective_kv_scales();
     let out_bytes = n_out * if out_fp8 { 1 } else { q_dtype.size_in_bytes() };
     if poison_outputs() {
-        fill_nan(out_addr, out_bytes, &stream)?;
+        fill_nan(out_addr, out_bytes, stream)?;
     }
     let hs = dims.head_size;
     let vec_loads = hs.is_multiple_of(8)
@@ -369,11 +284,11 @@ fn launch(
         && [q_addr, k_addr, v_addr]
             .iter()
             .all(|a| a.is_multiple_of(16));
-    let (qq_rows, qq_cols) = match &qq_t {
+    let (qq_rows, qq_cols) = match &copies.qq {
         Some(t) => (t.dims()[0], t.dims()[1]),
         None => (0, 0),
     };
-    let mut p = AttnParams {
+    let p = AttnParams {
         q: q_addr,
         k_cache: k_addr,
         v_cache: v_addr,
@@ -381,10 +296,10 @@ fn launch(
         cu_seqlens_q: cu_addr,
         seq_lens: sl_addr,
         block_tables: bt_addr,
-        prefix_ranges: ranges_a.as_ref().map_or(0, |a| a.0),
-        alibi_slopes: alibi_a.as_ref().map_or(0, |a| a.0),
-        sinks: sinks_a.as_ref().map_or(0, |a| a.0),
-        qq_bias: qq_a.as_ref().map_or(0, |a| a.0),
+        prefix_ranges: ranges_a,
+        alibi_slopes: alibi_a,
+        sinks: sinks_a,
+        qq_bias: qq_a,
         ws_acc: 0,
         ws_ml: 0,
         block_stride: (dims.block_size * dims.num_kv_heads * hs) as i64,
@@ -395,7 +310,8 @@ fn launch(
         head_size: hs as i32,
         block_size: check_i32("block_size", dims.block_size)?,
         block_table_width: check_i32("block_table_width", host.block_table_width())?,
-        max_ranges: ranges_t
+        max_ranges: copies
+            .ranges
             .as_ref()
             .map_or(Ok(0), |t| check_i32("max_ranges", t.dims()[1]))?,
         qq_rows: check_i32("qq_bias rows", qq_rows)?,
@@ -418,76 +334,110 @@ fn launch(
         out_inv_scale: params.output_scale.map_or(1.0, |s| 1.0 / s),
     };
     check_i32("max_seqlen_k", host.max_seqlen_k())?;
+    Ok((p, SyncGuards { _held: guards }))
+}
 
+/// The f32 path: one warp per (query row, head), `unified_attention_scalar_f32[_fp8]`.
+fn launch_scalar(
+    dev: &CudaDevice,
+    stream: &CudaStream,
+    dims: &AttentionDims,
+    cache_fp8: bool,
+    p: &AttnParams,
+) -> Result<()> {
     let cache_suffix = if cache_fp8 { "_fp8" } else { "" };
-    if q_dtype == DType::F32 {
-        // The f32 path: one warp per (query row, head).
-        let name = format!("unified_attention_scalar_f32{cache_suffix}");
-        let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
-        let cfg = LaunchConfig {
-            grid_dim: (dims.num_tokens as u32, dims.num_heads.div_ceil(4) as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+    let name = format!("unified_attention_scalar_f32{cache_suffix}");
+    let func = function(dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
+    let cfg = LaunchConfig {
+        grid_dim: (dims.num_tokens as u32, dims.num_heads.div_ceil(4) as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: every address in `p` points into a live allocation of this
+    // device whose extent validation checked against the sizes in `p`; the
+    // caller's guards (from `gather_params`) keep them alive and ordered
+    // until after the launch.
+    unsafe { launch_attention(stream, &func, cfg, p) }
+}
+
+/// The split-KV partials of one call: segments of the most split part and
+/// the rows the partials are indexed by.
+struct SplitLayout {
+    segments: usize,
+    partial_rows: usize,
+}
+
+impl SplitLayout {
+    fn of(plan: &Plan, params: &PagedAttentionParams, dims: &AttentionDims) -> Self {
+        let segments = plan
+            .parts
+            .iter()
+            .flatten()
+            .map(|p| p.segments)
+            .max()
+            .unwrap_or(1);
+        let partial_rows = if plan.ws_seq_rows > 0 {
+            params.batch.host().num_seqs() * plan.ws_seq_rows
+        } else {
+            dims.num_tokens
         };
-        // SAFETY: every address in `p` points into a live allocation of this
-        // device whose extent validation checked against the sizes in `p`;
-        // the guards keep them alive and ordered until after the launch.
-        unsafe { launch_attention(&stream, &func, cfg, &p) }?;
-        return Ok(());
-    }
-    let dtype_name = match q_dtype {
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        dt => bail!("{OP}: q must be f32, f16 or bf16, got {dt:?}"),
-    };
-
-    let mut spaces = workspaces()
-        .lock()
-        .map_err(|_| candle_core::Error::Msg(format!("{OP}: workspace lock poisoned")))?;
-    let ws = match spaces.entry(dev.id()) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => e.insert(Workspace {
-            limits: device_limits(&dev)?,
-            buf: None,
-        }),
-    };
-    let plan = plan(params, dims, &ws.limits)?;
-    let segments = plan
-        .parts
-        .iter()
-        .flatten()
-        .map(|p| p.segments)
-        .max()
-        .unwrap_or(1);
-    let partial_rows = if plan.ws_seq_rows > 0 {
-        host.num_seqs() * plan.ws_seq_rows
-    } else {
-        dims.num_tokens
-    };
-    p.ws_seq_rows = plan.ws_seq_rows as i32;
-
-    // Split-KV partials: [partial_rows, num_heads, segments, head_size]
-    // outputs and [.., 2] (max, sum) pairs, in one reusable buffer.
-    let partials = partial_rows * dims.num_heads * segments;
-    let ws_len = if segments > 1 { partials * (hs + 2) } else { 0 };
-    if ws_len > 0 && ws.buf.as_ref().is_none_or(|b| b.len() < ws_len) {
-        ws.buf = None;
-        // SAFETY: the kernels write every partial they later read; the reduce
-        // reads only partials of programs that ran.
-        ws.buf = Some(unsafe { dev.alloc::<f32>(ws_len)? });
-    }
-    let ws_guard = match (&ws.buf, ws_len > 0) {
-        (Some(buf), true) => Some(buf.device_ptr(&stream)),
-        _ => None,
-    };
-    if let Some((base, _)) = &ws_guard {
-        p.ws_acc = *base;
-        p.ws_ml = *base + (partials * hs * 4) as u64;
-        if poison_outputs() {
-            fill_nan(*base, ws_len * 4, &stream)?;
+        Self {
+            segments,
+            partial_rows,
         }
     }
+}
 
+/// Grows the device's workspace for this call's split-KV partials and points
+/// `p.ws_acc`/`p.ws_ml` into it (poisoned when poisoning is on). Returns the
+/// buffer's guard, to drop after the launches; `None` when nothing splits.
+///
+/// Partials: [partial_rows, num_heads, segments, head_size] outputs and
+/// [.., 2] (max, sum) pairs, in one reusable buffer.
+fn ensure_workspace<'a>(
+    ws: &'a mut Workspace,
+    dev: &CudaDevice,
+    stream: &'a CudaStream,
+    split: &SplitLayout,
+    dims: &AttentionDims,
+    p: &mut AttnParams,
+) -> Result<Option<SyncOnDrop<'a>>> {
+    let hs = dims.head_size;
+    let partials = split.partial_rows * dims.num_heads * split.segments;
+    let ws_len = if split.segments > 1 {
+        partials * (hs + 2)
+    } else {
+        0
+    };
+    ws.grow(dev, ws_len)?;
+    let Some((base, guard)) = ws.address(ws_len, stream) else {
+        return Ok(None);
+    };
+    p.ws_acc = base;
+    p.ws_ml = base + (partials * hs * 4) as u64;
+    if poison_outputs() {
+        fill_nan(base, ws_len * 4, stream)?;
+    }
+    Ok(Some(guard))
+}
+
+/// What every tensor-core launch of one call shares.
+struct Kernels<'a> {
+    dev: &'a CudaDevice,
+    stream: &'a CudaStream,
+    dtype_name: &'static str,
+    cache_fp8: bool,
+}
+
+/// The tensor-core launches, one per part of the plan
+/// (`unified_attention_h{HEAD}_{kind}_{dtype}[_fp8]`).
+fn launch_parts(
+    k: &Kernels<'_>,
+    plan: &Plan,
+    limits: &DeviceLimits,
+    dims: &AttentionDims,
+    p: &mut AttnParams,
+) -> Result<()> {
     for part in plan.parts.iter().flatten() {
         p.group_entries = part.group_entries as i32;
         p.head_chunks = part.head_chunks as i32;
@@ -495,16 +445,16 @@ fn launch(
         p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
         p.num_segments = part.segments as i32;
         p.seq_programs = (part.kind == Kind::Decode) as i32;
-        let name = instance_name(plan.head, part.kind, &part.tile, dtype_name, cache_fp8);
-        let smem = smem_bytes(&part.tile, plan.head, cache_fp8);
-        if smem > ws.limits.max_smem_per_block {
+        let name = instance_name(plan.head, part.kind, &part.tile, k.dtype_name, k.cache_fp8);
+        let smem = smem_bytes(&part.tile, plan.head, k.cache_fp8);
+        if smem > limits.max_smem_per_block {
             bail!(
                 "{OP}: head size {} needs {smem} bytes of shared memory per program, this device allows {}",
                 dims.head_size,
-                ws.limits.max_smem_per_block
+                limits.max_smem_per_block
             );
         }
-        let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
+        let func = function(k.dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
         let grid_x = u32::try_from(part.grid_x)
             .ok()
             .filter(|&x| x < i32::MAX as u32)
@@ -525,41 +475,49 @@ fn launch(
         };
         // SAFETY: every address in `p` points into a live allocation of this
         // device sized for the dimensions in `p` (validated on the host; the
-        // workspace was grown to `ws_len` above); the guards keep them alive
-        // and ordered until after the launch; `smem` matches the kernel's
-        // layout. The parts write disjoint rows.
-        unsafe { launch_attention(&stream, &func, cfg, &p) }?;
+        // workspace was grown by `ensure_workspace`); the caller's guards keep
+        // them alive and ordered until after the launch; `smem` matches the
+        // kernel's layout. The parts write disjoint rows.
+        unsafe { launch_attention(k.stream, &func, cfg, p) }?;
     }
-
-    if segments > 1 {
-        // One program per partial row and head; with (sequence, row) rows,
-        // rows past a sequence's span or of the unsplit launch exit.
-        p.num_segments = segments as i32;
-        p.q_len_min = 0;
-        p.q_len_max = if plan.ws_seq_rows > 0 {
-            plan.ws_seq_rows as i32
-        } else {
-            i32::MAX
-        };
-        let name = format!("reduce_segments_{dtype_name}");
-        let func = function(&dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
-        let rows = u32::try_from(partial_rows)
-            .ok()
-            .filter(|&x| x < i32::MAX as u32)
-            .ok_or_else(|| {
-                candle_core::Error::Msg(format!("{OP}: {partial_rows} partial rows is too many"))
-            })?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows, dims.num_heads as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: as above; the reduce reads the partials the attention
-        // launch just wrote on the same stream.
-        unsafe { launch_attention(&stream, &func, cfg, &p) }?;
-    }
-    drop(ws_guard);
     Ok(())
+}
+
+/// The split-KV reduce (`reduce_segments_{dtype}`): one program per partial
+/// row and head; with (sequence, row) rows, rows past a sequence's span or of
+/// the unsplit launch exit.
+fn launch_reduce(
+    k: &Kernels<'_>,
+    plan: &Plan,
+    split: &SplitLayout,
+    dims: &AttentionDims,
+    p: &mut AttnParams,
+) -> Result<()> {
+    p.num_segments = split.segments as i32;
+    p.q_len_min = 0;
+    p.q_len_max = if plan.ws_seq_rows > 0 {
+        plan.ws_seq_rows as i32
+    } else {
+        i32::MAX
+    };
+    let name = format!("reduce_segments_{}", k.dtype_name);
+    let func = function(k.dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
+    let partial_rows = split.partial_rows;
+    let rows = u32::try_from(partial_rows)
+        .ok()
+        .filter(|&x| x < i32::MAX as u32)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!("{OP}: {partial_rows} partial rows is too many"))
+        })?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows, dims.num_heads as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as for `launch_parts`; the reduce reads the partials the
+    // attention launches just wrote on the same stream, in the workspace
+    // `ensure_workspace` sized for them.
+    unsafe { launch_attention(k.stream, &func, cfg, p) }
 }
 
 /// An uninitialised output buffer of `n` elements.
@@ -598,36 +556,4 @@ fn check_grid_yz((x, y, z): (u32, u32, u32)) -> Result<()> {
         bail!("{OP}: launch grid ({x}, {y}, {z}) is out of range");
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn segments_fill_waves() {
-        // One long decode: split until the GPU is full.
-        assert_eq!(choose_segments(8, 396, 64), 49);
-        // Short context: capped by the keys.
-        assert_eq!(choose_segments(8, 396, 8), 8);
-        // 512 programs on 396 slots: a few segments even out the waves.
-        let s = choose_segments(512, 396, 64);
-        assert!((2..=16).contains(&s), "{s}");
-        // Already many full waves: no split.
-        assert_eq!(choose_segments(396 * 8, 396, 64), 1);
-    }
-
-    #[test]
-    fn shared_memory_fits_hopper() {
-        for &head in &HEAD_SIZES {
-            for kind in [Kind::Decode, Kind::Prefill] {
-                for fp8 in [false, true] {
-                    for small in [false, true] {
-                        let s = smem_bytes(&tile_shape(kind, head, small), head, fp8);
-                        assert!(s <= 227 * 1024, "{kind:?} h{head} fp8={fp8}: {s} bytes");
-                    }
-                }
-            }
-        }
-    }
 }

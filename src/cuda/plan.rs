@@ -1,0 +1,253 @@
+//! Launch planning of `PagedAttention` on CUDA: which tile shapes a call
+//! launches (one part, or two for a batch that mixes decode-shaped and
+//! longer sequences), how many split-KV segments each part uses, and the
+//! residency estimate those segment counts rest on.
+//!
+//! Owns `Part`, `Plan`, `plan`, `resident_programs`, `choose_segments` and
+//! `MAX_SEGMENTS`. Pure host-side arithmetic on the batch's host copies and
+//! the device limits: it allocates and launches nothing.
+//!
+//! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
+
+use std::sync::OnceLock;
+
+use candle_core::{bail, DType, Result};
+
+use super::tiles::{smem_bytes, tile_shape, Kind, TileShape, HEAD_SIZES};
+use super::DeviceLimits;
+use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
+
+const OP: &str = "paged-attention";
+
+/// Most split-KV segments per (sequence, KV head).
+pub(crate) const MAX_SEGMENTS: usize = 256;
+
+/// One launch of the tensor-core kernel: a tile shape and the sequences
+/// (by new-token count) whose programs do work.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Part {
+    pub(super) kind: Kind,
+    pub(super) tile: TileShape,
+    /// Split-KV segments of this launch (1: it writes the output).
+    pub(super) segments: usize,
+    pub(super) group_entries: usize,
+    pub(super) head_chunks: usize,
+    pub(super) grid_x: usize,
+    pub(super) q_len_min: usize,
+    pub(super) q_len_max: usize,
+}
+
+/// How one call is launched: one part, or two for a batch that mixes
+/// sequences that fit a decode-shaped program with longer ones.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Plan {
+    pub(super) head: usize,
+    pub(super) dv_chunks: usize,
+    /// 0: split-KV partial rows are tokens; else rows per sequence (partial
+    /// row `seq * ws_seq_rows + row`), for a mixed batch's decode launch.
+    pub(super) ws_seq_rows: usize,
+    pub(super) parts: [Option<Part>; 2],
+}
+
+/// The part of `kind` with tile `tile` serving the sequences whose new-token
+/// count lies in `q_lens` (inclusive), before any split-KV.
+fn part(
+    kind: Kind,
+    tile: TileShape,
+    dims: &AttentionDims,
+    num_seqs: usize,
+    q_lens: (usize, usize),
+) -> Part {
+    let group = dims.group_size();
+    let group_entries = group.min(tile.rows());
+    let block_q = tile.rows() / group_entries;
+    // A decode-shaped launch serves spans of at most `block_q` rows: one
+    // program per sequence.
+    let grid_x = match kind {
+        Kind::Decode => num_seqs,
+        Kind::Prefill => dims.num_tokens / block_q + num_seqs,
+    };
+    Part {
+        kind,
+        tile,
+        segments: 1,
+        group_entries,
+        head_chunks: group.div_ceil(group_entries),
+        grid_x,
+        q_len_min: q_lens.0,
+        q_len_max: q_lens.1,
+    }
+}
+
+/// The launch plan of one call on a device with `limits`: the parts, their
+/// split-KV segments and the workspace row layout.
+pub(super) fn plan(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    limits: &DeviceLimits,
+) -> Result<Plan> {
+    let sms = limits.sms;
+    let host = params.batch.host();
+    let Some(&head) = HEAD_SIZES.iter().find(|&&h| h >= dims.head_size) else {
+        bail!(
+            "{OP}: head_size {} exceeds the largest kernel (512)",
+            dims.head_size
+        );
+    };
+    let group = dims.group_size();
+    let n = host.num_seqs();
+    let all = (0, i32::MAX as usize);
+    // Longest span whose rows (times the packed heads) fit one decode-shaped program.
+    let fits = 16 / group.min(16);
+    let decode = tile_shape(Kind::Decode, head, false);
+    // Prefill programs of 128 rows: less than a wave takes 64-row ones.
+    let prefill_programs: usize = (0..n)
+        .filter(|&i| host.q_len(i) > fits)
+        .map(|i| host.q_len(i).div_ceil(128 / group.min(128)))
+        .sum::<usize>()
+        * dims.num_kv_heads
+        * group.div_ceil(128);
+    let small = match prefill_tile_override() {
+        Some(rows) => rows == 64,
+        None => prefill_programs < 2 * sms,
+    };
+    let prefill = tile_shape(Kind::Prefill, head, small);
+    let parts = if host.max_seqlen_q() <= fits {
+        [Some(part(Kind::Decode, decode, dims, n, all)), None]
+    } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
+        [
+            Some(part(Kind::Decode, decode, dims, n, (1, fits))),
+            Some(part(Kind::Prefill, prefill, dims, n, (fits + 1, all.1))),
+        ]
+    } else {
+        [Some(part(Kind::Prefill, prefill, dims, n, all)), None]
+    };
+    let dv_chunks = head / head.min(256);
+    let fp8 = params.key_cache.dtype() == DType::F8E4M3;
+    // Split so that the decode-shaped programs, one per (sequence, KV head,
+    // chunk), fill whole waves of resident programs, with at least 128
+    // visible keys per segment.
+    let auto_segments = |p: &Part, seqs: usize, max_keys: usize| {
+        let active = seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
+        let slots = resident_programs(&p.tile, head, fp8, limits) * sms;
+        let keys = params.sliding_window.map_or(max_keys, |w| w.min(max_keys));
+        choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
+    };
+    let mut parts = parts;
+    let mut ws_seq_rows = 0;
+    match (params.kv_split, &mut parts) {
+        (KvSplit::Never, _) => {}
+        (KvSplit::Segments(k), parts) => {
+            for p in parts.iter_mut().flatten() {
+                p.segments = (k as usize).clamp(1, MAX_SEGMENTS);
+            }
+        }
+        (KvSplit::Auto, [Some(p), None]) if host.is_pure_decode() => {
+            p.segments = auto_segments(p, n, host.max_seqlen_k());
+        }
+        (KvSplit::Auto, [Some(d), Some(_)]) => {
+            // A mixed batch: only the decode-shaped launch splits; its
+            // partials are indexed by (sequence, row) so the workspace does
+            // not grow with the prefill tokens.
+            let decode_seqs: Vec<usize> = (0..n)
+                .filter(|&i| (1..=fits).contains(&host.q_len(i)))
+                .collect();
+            let max_keys = decode_seqs
+                .iter()
+                .map(|&i| host.seq_lens()[i] as usize)
+                .max()
+                .unwrap_or(0);
+            d.segments = auto_segments(d, decode_seqs.len(), max_keys);
+            if d.segments > 1 {
+                ws_seq_rows = fits;
+            }
+        }
+        (KvSplit::Auto, _) => {}
+    }
+    Ok(Plan {
+        head,
+        dv_chunks,
+        ws_seq_rows,
+        parts,
+    })
+}
+
+/// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64|128` forces the prefill tile's
+/// packed rows (up to head size 128), so that tests cover both instances
+/// whatever the batch size. Read once per process.
+fn prefill_tile_override() -> Option<usize> {
+    static ROWS: OnceLock<Option<usize>> = OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("CANDLE_PAGED_ATTENTION_PREFILL_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&rows| rows == 64 || rows == 128)
+    })
+}
+
+/// Programs of one instance resident on one SM: the device's shared memory
+/// per SM over the instance's bytes plus the driver's reservation per
+/// program, and the register limit (the launch bounds the instance was
+/// compiled with).
+pub(super) fn resident_programs(
+    tile: &TileShape,
+    head: usize,
+    fp8: bool,
+    limits: &DeviceLimits,
+) -> usize {
+    let by_smem =
+        limits.smem_per_sm / (smem_bytes(tile, head, fp8) + limits.reserved_smem_per_block);
+    by_smem.min(tile.max_resident).max(1)
+}
+
+/// Segments per program for `active` programs on `slots` resident ones.
+/// Less than a wave: as many segments as still fit one wave. Otherwise the
+/// smallest count (up to `max_segments`) whose waves come within 3% of
+/// perfectly filled ones, else the count with the best-filled waves.
+fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
+    let (active, slots) = (active.max(1), slots.max(1));
+    if active <= slots {
+        return (slots / active).clamp(1, max_segments.max(1));
+    }
+    let waves = |s: usize| (active * s).div_ceil(slots) as f64 / s as f64;
+    let ideal = active as f64 / slots as f64;
+    (1..=max_segments)
+        .find(|&s| waves(s) <= ideal * 1.03)
+        .unwrap_or_else(|| {
+            (1..=max_segments)
+                .min_by(|&a, &b| waves(a).total_cmp(&waves(b)))
+                .unwrap_or(1)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_fill_waves() {
+        // One long decode: split until the GPU is full.
+        assert_eq!(choose_segments(8, 396, 64), 49);
+        // Short context: capped by the keys.
+        assert_eq!(choose_segments(8, 396, 8), 8);
+        // 512 programs on 396 slots: a few segments even out the waves.
+        let s = choose_segments(512, 396, 64);
+        assert!((2..=16).contains(&s), "{s}");
+        // Already many full waves: no split.
+        assert_eq!(choose_segments(396 * 8, 396, 64), 1);
+    }
+
+    #[test]
+    fn shared_memory_fits_hopper() {
+        for &head in &HEAD_SIZES {
+            for kind in [Kind::Decode, Kind::Prefill] {
+                for fp8 in [false, true] {
+                    for small in [false, true] {
+                        let s = smem_bytes(&tile_shape(kind, head, small), head, fp8);
+                        assert!(s <= 227 * 1024, "{kind:?} h{head} fp8={fp8}: {s} bytes");
+                    }
+                }
+            }
+        }
+    }
+}

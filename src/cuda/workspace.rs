@@ -1,0 +1,96 @@
+//! The split-KV workspace of `PagedAttention` on CUDA: one f32 buffer per
+//! device that the tensor-core launches write their partial outputs and
+//! (max, sum) pairs into and the reduce merges, together with the device
+//! limits the launch plans read.
+//!
+//! Lifetime: one buffer per candle device (`DeviceId`), created (empty) on
+//! the first tensor-core launch on that device, grown (never shrunk) to the
+//! largest split-KV batch seen, and kept for the life of the process: the
+//! map is a process-global static that is never dropped, and nothing
+//! releases a buffer early (the driver reclaims the memory at exit). The
+//! map's lock is held for the whole launch sequence of a call; the launches
+//! go on that device's stream, so a later call reusing the buffer runs after
+//! the reduce of the earlier one.
+//!
+//! Owns `Workspace` and the per-device map. Imports the sibling CUDA
+//! modules only; never `ops` or `cpu`.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, SyncOnDrop};
+use candle_core::cuda_backend::DeviceId;
+use candle_core::{CudaDevice, Result};
+
+use super::{device_limits, DeviceLimits};
+
+const OP: &str = "paged-attention";
+
+/// The split-KV workspace of one device and the limits its plans use (see
+/// the module doc for its lifetime).
+pub(super) struct Workspace {
+    /// The device's cached limits.
+    pub(super) limits: DeviceLimits,
+    /// Split-KV partials, `None` until a call first splits.
+    buf: Option<CudaSlice<f32>>,
+}
+
+/// The per-device workspaces, keyed by candle device.
+pub(super) type Workspaces = HashMap<DeviceId, Workspace>;
+
+/// The process-global map of workspaces (see the module doc).
+fn workspaces() -> &'static Mutex<Workspaces> {
+    static W: OnceLock<Mutex<Workspaces>> = OnceLock::new();
+    W.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Locks the map of workspaces; hold the guard until the launches that use
+/// a workspace are enqueued.
+pub(super) fn lock() -> Result<MutexGuard<'static, Workspaces>> {
+    workspaces()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg(format!("{OP}: workspace lock poisoned")))
+}
+
+/// The workspace of `dev` in the locked map, created (with the device's
+/// limits and no buffer) on first use.
+pub(super) fn for_device<'m>(
+    spaces: &'m mut Workspaces,
+    dev: &CudaDevice,
+) -> Result<&'m mut Workspace> {
+    Ok(match spaces.entry(dev.id()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(Workspace {
+            limits: device_limits(dev)?,
+            buf: None,
+        }),
+    })
+}
+
+impl Workspace {
+    /// Grows the buffer to at least `len` f32 elements (never shrinks it);
+    /// `len == 0` leaves it as it is.
+    pub(super) fn grow(&mut self, dev: &CudaDevice, len: usize) -> Result<()> {
+        if len > 0 && self.buf.as_ref().is_none_or(|b| b.len() < len) {
+            self.buf = None;
+            // SAFETY: the kernels write every partial they later read; the
+            // reduce reads only partials of programs that ran.
+            self.buf = Some(unsafe { dev.alloc::<f32>(len)? });
+        }
+        Ok(())
+    }
+
+    /// The buffer's device address with the guard that records its use on
+    /// `stream` when dropped, or `None` when `len == 0` (no split) or no
+    /// buffer exists.
+    pub(super) fn address<'a>(
+        &'a self,
+        len: usize,
+        stream: &'a CudaStream,
+    ) -> Option<(u64, SyncOnDrop<'a>)> {
+        match (&self.buf, len > 0) {
+            (Some(buf), true) => Some(buf.device_ptr(stream)),
+            _ => None,
+        }
+    }
+}
