@@ -187,8 +187,7 @@ fn prefill_tile_override() -> Option<usize> {
 
 /// Programs of one instance resident on one SM: the device's shared memory
 /// per SM over the instance's bytes plus the driver's reservation per
-/// program, and the register limit (the launch bounds the instance was
-/// compiled with).
+/// program, and the register limit (`TileShape::max_resident`).
 pub(super) fn resident_programs(
     tile: &TileShape,
     head: usize,
