@@ -30,10 +30,11 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
+use candle_paged_attention::models::chat::{self, ChatMessage};
 use candle_paged_attention::models::generation::{
     Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
-use candle_paged_attention::models::tokenizer::{self, ChatMessage, TextStream};
+use candle_paged_attention::models::tokenizer::{self, TextStream};
 use candle_paged_attention::models::{
     gemma2, gemma3, llama, quantized_llama, CacheConfig, CachePlan, CacheSizing, PagedKvCache,
     PagedModel, PagedOptions, DEFAULT_CPU_KV_BYTES,
@@ -269,9 +270,9 @@ fn load_dir(dir: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result
 fn format_prompt(chat: PromptFormat, raw: bool, prompt: &str) -> String {
     match (raw, chat) {
         (true, _) | (_, PromptFormat::Raw) => prompt.to_string(),
-        (_, PromptFormat::ChatMl { smollm2: true }) => tokenizer::smollm2_chat_prompt(prompt),
+        (_, PromptFormat::ChatMl { smollm2: true }) => chat::smollm2_chat_prompt(prompt),
         (_, PromptFormat::ChatMl { smollm2: false }) => {
-            tokenizer::chatml_prompt(&[ChatMessage::new("user", prompt)], None, true)
+            chat::chatml_prompt(&[ChatMessage::new("user", prompt)], None, true)
         }
         (_, PromptFormat::Gemma) => {
             format!("<bos><start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n")

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor, D};
-use candle_paged_attention::models::tokenizer;
+use candle_paged_attention::models::{chat, tokenizer};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use clap::Parser;
 
@@ -53,7 +53,7 @@ fn main() -> Result<()> {
     let content = gguf_file::Content::read(&mut file)?;
     let tok = tokenizer::tokenizer_from_gguf(&content)?;
     let mut model = ModelWeights::from_gguf(content, &mut file, &device)?;
-    let prompt = tokenizer::encode(&tok, &tokenizer::smollm2_chat_prompt(&args.prompt))?;
+    let prompt = tokenizer::encode(&tok, &chat::smollm2_chat_prompt(&args.prompt))?;
 
     let start = Instant::now();
     // quantized_llama cannot take a multi-token prompt for a batch of more

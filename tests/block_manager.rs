@@ -1,5 +1,10 @@
 //! Block manager bookkeeping: admission, allocation, prefix sharing,
-//! sliding-window recycling and clean refusals.
+//! sliding-window recycling and clean refusals. Each body takes the device
+//! its metadata tensors are built on and runs through the shared harness
+//! (`device_test!`): `NAME::cpu`, and `NAME::cuda` with the `cuda` feature.
+
+#[macro_use]
+mod common;
 
 use anyhow::{ensure, Result};
 use candle_core::Device;
@@ -477,18 +482,7 @@ fn refuses_absurd_sizes_before_allocating(_dev: &Device) -> Result<()> {
     Ok(())
 }
 
-macro_rules! device_tests {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(#[test]
-            fn $name() -> anyhow::Result<()> {
-                super::$name(&candle_core::Device::Cpu)
-            })*
-        }
-    };
-}
-
-device_tests!(
+device_test!(
     metadata_tables_and_slots,
     refuses_bad_requests,
     out_of_blocks_leaves_state_unchanged,

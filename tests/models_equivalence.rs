@@ -21,7 +21,7 @@ use candle_paged_attention::models::generation::{
     Engine, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::{
-    gemma2, gemma3, llama, quantized_llama, tokenizer, CacheConfig, PagedKvCache, PagedModel,
+    chat, gemma2, gemma3, llama, quantized_llama, tokenizer, CacheConfig, PagedKvCache, PagedModel,
     PagedOptions,
 };
 use candle_paged_attention::{BlockManager, Work};
@@ -795,7 +795,7 @@ fn smollm2_greedy_tokens_match_candle_transformers() -> Result<()> {
     let tok = tokenizer::tokenizer_from_gguf(&content)?;
     let prompts: Vec<Vec<u32>> = PROMPTS
         .iter()
-        .map(|p| tokenizer::encode(&tok, &tokenizer::smollm2_chat_prompt(p)))
+        .map(|p| tokenizer::encode(&tok, &chat::smollm2_chat_prompt(p)))
         .collect::<candle_core::Result<_>>()?;
     // The chat template's markers are single special tokens.
     let im_start = tok.token_to_id("<|im_start|>").context("no <|im_start|>")?;

@@ -14,9 +14,11 @@
 //! * [`quantized_llama::QuantizedLlama`] - Llama from a GGUF file (`QMatMul`).
 //! * [`gemma2::Gemma2`], [`gemma3::Gemma3`] - softcapping, alternating
 //!   sliding-window and global layers, Gemma 3's q/k norms and rope bases.
-//! * [`tokenizer`] - a `tokenizers` BPE tokenizer from GGUF metadata, ChatML.
+//! * [`tokenizer`] - a `tokenizers` BPE tokenizer from GGUF metadata.
+//! * [`chat`] - ChatML prompts (SmolLM2-Instruct's template).
 //! * [`generation`] - sampling and a continuous-batching [`generation::Engine`].
 
+pub mod chat;
 pub mod gemma2;
 pub mod gemma3;
 pub mod generation;

@@ -1,6 +1,6 @@
 //! Tokenizers for the models: a byte-level BPE built from GGUF metadata,
-//! ChatML prompts (SmolLM2-Instruct's chat template) and incremental
-//! detokenisation for streaming.
+//! encoding and decoding, and incremental detokenisation for streaming.
+//! Prompt templates live in [`super::chat`].
 
 use candle_core::quantized::gguf_file;
 use candle_core::{bail, Error, Result};
@@ -8,11 +8,6 @@ use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
 const OP: &str = "tokenizer";
-
-/// SmolLM2-Instruct's default system prompt, inserted by its chat template
-/// when the conversation does not start with a system message.
-pub const SMOLLM2_SYSTEM_PROMPT: &str =
-    "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
 
 /// Builds the tokenizer described by GGUF metadata: `tokenizer.ggml.model`
 /// `gpt2` (byte-level BPE: `tokens`, `merges`, control tokens from
@@ -140,62 +135,6 @@ pub fn decode(tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
     tokenizer
         .decode(ids, true)
         .map_err(|e| Error::msg(format!("{OP}: decoding {} tokens: {e}", ids.len())))
-}
-
-/// One message of a conversation.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ChatMessage {
-    /// `system`, `user` or `assistant`.
-    pub role: String,
-    /// The text.
-    pub content: String,
-}
-
-impl ChatMessage {
-    /// A message from `role`.
-    pub fn new(role: &str, content: &str) -> Self {
-        Self {
-            role: role.to_string(),
-            content: content.to_string(),
-        }
-    }
-}
-
-/// Formats a conversation as ChatML:
-/// `<|im_start|>{role}\n{content}<|im_end|>\n` per message, with
-/// `default_system` first when the first message is not a system message,
-/// and `<|im_start|>assistant\n` at the end when `add_generation_prompt`.
-/// With `default_system = Some(SMOLLM2_SYSTEM_PROMPT)` this is
-/// SmolLM2-Instruct's chat template.
-pub fn chatml_prompt(
-    messages: &[ChatMessage],
-    default_system: Option<&str>,
-    add_generation_prompt: bool,
-) -> String {
-    let mut out = String::new();
-    let starts_with_system = messages.first().is_some_and(|m| m.role == "system");
-    if let (false, Some(system)) = (starts_with_system, default_system) {
-        out.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
-    }
-    for m in messages {
-        out.push_str(&format!(
-            "<|im_start|>{}\n{}<|im_end|>\n",
-            m.role, m.content
-        ));
-    }
-    if add_generation_prompt {
-        out.push_str("<|im_start|>assistant\n");
-    }
-    out
-}
-
-/// SmolLM2-Instruct's prompt for one user message.
-pub fn smollm2_chat_prompt(user: &str) -> String {
-    chatml_prompt(
-        &[ChatMessage::new("user", user)],
-        Some(SMOLLM2_SYSTEM_PROMPT),
-        true,
-    )
 }
 
 /// Incremental detokenisation: feeds tokens one by one and yields the text
@@ -329,27 +268,6 @@ mod tests {
         );
         let err = tokenizer_from_gguf(&ct).unwrap_err().to_string();
         assert!(err.contains("got llama"), "{err}");
-    }
-
-    #[test]
-    fn smollm2_template_is_chatml_with_default_system() {
-        assert_eq!(
-            smollm2_chat_prompt("Hi"),
-            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
-             <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-        );
-        let own_system = chatml_prompt(
-            &[
-                ChatMessage::new("system", "S"),
-                ChatMessage::new("user", "U"),
-            ],
-            Some(SMOLLM2_SYSTEM_PROMPT),
-            false,
-        );
-        assert_eq!(
-            own_system,
-            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
-        );
     }
 
     #[test]
