@@ -99,6 +99,9 @@ pub struct Args {
     /// Share cached prompt blocks between sequences with a common prefix.
     #[arg(long)]
     prefix_caching: bool,
+    /// Run every decode step eagerly instead of replaying CUDA graphs (CUDA only).
+    #[arg(long)]
+    no_cuda_graph: bool,
     /// Tokens per cache block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -487,7 +490,8 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
             max_num_seqs: args.max_num_seqs,
         },
     )
-    .with_context(|| sized_by.clone())?;
+    .with_context(|| sized_by.clone())?
+    .with_cuda_graphs(!args.no_cuda_graph);
     let mut outcomes: Vec<Outcome> = Vec::with_capacity(prompts.len());
     let mut prompt_tokens = 0;
     for (i, p) in prompts.iter().enumerate() {
@@ -592,6 +596,7 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         &engine.stats(),
         args.prefix_caching,
     );
+    eprintln!("{}", decode_path(&engine));
     if let Some(e) = failure {
         return Err(anyhow::Error::from(e).context(format!(
             "generation failed after {} of {} prompts finished (their outputs are printed above)",
@@ -606,6 +611,26 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Which path the decode steps took, for the summary.
+fn decode_path<M: PagedModel + ?Sized>(engine: &Engine<'_, M>) -> String {
+    let stats = engine.stats();
+    if !engine.uses_cuda_graphs() {
+        return "decode path: eager (CUDA graphs need a CUDA device; off with --no-cuda-graph)"
+            .into();
+    }
+    let mut line = format!(
+        "decode path: CUDA graphs, {} of {} steps replayed ({} graphs captured, {} kernels per decode step)",
+        stats.graph_steps, stats.steps, stats.graphs_captured, stats.kernels_per_graph_step
+    );
+    if let Some(e) = engine.cuda_graph_error() {
+        line += &format!(
+            "; {} captures failed, those shapes ran eagerly: {e}",
+            stats.graph_capture_failures
+        );
+    }
+    line
 }
 
 fn report(

@@ -189,6 +189,9 @@ struct Args {
     /// Share cached prompt blocks between sequences.
     #[arg(long)]
     prefix_caching: bool,
+    /// Run every decode step eagerly instead of replaying CUDA graphs.
+    #[arg(long)]
+    no_cuda_graph: bool,
 
     /// Decoder layers of the random Llama.
     #[arg(long, default_value_t = 32)]
@@ -647,7 +650,7 @@ fn main() -> Result<()> {
         max_num_seqs: args.max_num_seqs,
     };
     let path = format!(
-        "device {:?}, activations {:?}, KV cache {} layers x {num_blocks} blocks of {bs} tokens ({kv_mib:.1} MiB{}, {sized_by}), step budget {} tokens, at most {} sequences; decode path: not reported by the engine",
+        "device {:?}, activations {:?}, KV cache {} layers x {num_blocks} blocks of {bs} tokens ({kv_mib:.1} MiB{}, {sized_by}), step budget {} tokens, at most {} sequences",
         dev.location(),
         model.dtype(),
         layers.len(),
@@ -666,11 +669,12 @@ fn main() -> Result<()> {
     // the prefix cache.
     let warm_prompt: Vec<u32> = work[0].prompt.iter().take(16).rev().copied().collect();
     let warm = (!args.no_warmup).then_some(warm_prompt.as_slice());
-    let engine = paged::run(model, cache, sched, &work, warm)?;
+    let engine = paged::run(model, cache, sched, &work, warm, !args.no_cuda_graph)?;
     eprintln!(
-        "paged engine: {:.3}s, {:.1} generated tok/s",
+        "paged engine: {:.3}s, {:.1} generated tok/s; decode path: {}",
         engine.stats.wall_s,
-        engine.stats.tokens_per_s()
+        engine.stats.tokens_per_s(),
+        engine.decode_path
     );
 
     let mut refs: Vec<RunStats> = Vec::new();
@@ -711,7 +715,7 @@ fn main() -> Result<()> {
     println!(
         "Greedy outputs may part at near-ties of the logits (batching changes summation order; quantized matmuls round activations to 8 bits); both sides generate the same number of tokens either way."
     );
-    println!("Path: {path}.");
+    println!("Path: {path}; decode path: {}.", engine.decode_path);
     match &ref_prefill {
         Some(reference::Prefill::PerPosition(e)) => println!(
             "The batched reference prefills one position per forward (its whole-prompt batch forward failed: {e})."
@@ -741,6 +745,7 @@ fn main() -> Result<()> {
         let v = json!({
             "model": loaded.description,
             "path": path,
+            "decode_path": engine.decode_path,
             "workload": {
                 "requests": work.len(),
                 "prompt": prompt_desc,
@@ -761,6 +766,10 @@ fn main() -> Result<()> {
                 "preemptions": engine.counters.preemptions,
                 "peak_used_blocks": engine.counters.peak_used_blocks,
                 "num_blocks": engine.counters.num_blocks,
+                "graph_steps": engine.counters.graph_steps,
+                "graphs_captured": engine.counters.graphs_captured,
+                "graph_capture_failures": engine.counters.graph_capture_failures,
+                "kernels_per_graph_step": engine.counters.kernels_per_graph_step,
             },
             "references": refs.iter().map(RunStats::to_json).collect::<Vec<_>>(),
             "batched_reference_prefill": ref_prefill.map(|p| match p {

@@ -265,7 +265,12 @@ impl Attention {
                 .with_alibi_slopes(self.options.alibi_slopes.clone())
                 .with_sinks(self.options.sinks.clone())
                 .with_kv_scales(scales)
-                .with_kv_split(self.options.kv_split);
+                .with_kv_split(match (self.options.kv_split, metadata.split_plan_keys()) {
+                    (KvSplit::Auto, Some(keys)) => {
+                        KvSplit::AutoUpTo(u32::try_from(keys).unwrap_or(u32::MAX))
+                    }
+                    (split, _) => split,
+                });
         let q = q.reshape((n, h, d))?;
         paged_attention(&q, &params)?.reshape((n, h * d))
     }

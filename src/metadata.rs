@@ -86,6 +86,9 @@ pub struct AttentionMetadata {
     num_decodes: usize,
     window_groups: Vec<WindowGroup>,
     local: Mutex<HashMap<(Option<usize>, usize), PagedBatch>>,
+    /// Plan split-KV for sequences of up to this many keys (see
+    /// [`AttentionMetadata::with_split_plan_keys`]).
+    split_plan_keys: Option<usize>,
 }
 
 impl AttentionMetadata {
@@ -129,7 +132,100 @@ impl AttentionMetadata {
             num_decodes,
             window_groups: Vec::new(),
             local: Mutex::new(HashMap::new()),
+            split_plan_keys: None,
         })
+    }
+
+    /// Plans the split-KV of the layers' decode launches (those whose policy
+    /// is [`KvSplit::Auto`](crate::KvSplit::Auto)) for sequences of up to
+    /// `keys` keys instead of this batch's own lengths: the launches then
+    /// depend only on the batch's shape, as a CUDA graph replayed with new
+    /// lengths needs.
+    pub fn with_split_plan_keys(mut self, keys: usize) -> Self {
+        self.split_plan_keys = Some(keys);
+        self
+    }
+
+    /// The key count split-KV is planned for, when set by
+    /// [`with_split_plan_keys`](Self::with_split_plan_keys).
+    pub fn split_plan_keys(&self) -> Option<usize> {
+        self.split_plan_keys
+    }
+
+    /// This batch with `num_seqs - self.num_seqs()` padding sequences
+    /// appended and every block table widened to `width` columns, uploaded
+    /// to `device`.
+    ///
+    /// A padding sequence has one new token at position 0 whose keys and
+    /// values are not stored (slot -1) and whose table is all block 0: it
+    /// reads one cache row and its output is meant to be ignored. Window
+    /// groups are padded the same way; the split plan is kept. Use it to
+    /// give a decode step the fixed shape of a captured CUDA graph, or
+    /// (with the same sizes) to move host-built metadata to a device.
+    ///
+    /// Fails when the batch has prefix ranges, when `num_seqs` is smaller
+    /// than the batch, or when `width` is narrower than its tables.
+    pub fn padded(&self, num_seqs: usize, width: usize, device: &Device) -> Result<Self> {
+        let pad = |batch: &PagedBatch, slots: &SlotMapping| -> Result<(PagedBatch, SlotMapping)> {
+            let host = batch.host();
+            let n = host.num_seqs();
+            if has_ranges(host) {
+                bail!("{OP}: a batch with prefix ranges cannot be padded");
+            }
+            if num_seqs < n || width < host.block_table_width() {
+                bail!(
+                    "{OP}: cannot pad {n} sequences with tables of width {} to {num_seqs} sequences of width {width}",
+                    host.block_table_width()
+                );
+            }
+            let mut cu = host.cu_seqlens_q().to_vec();
+            let mut seq_lens = host.seq_lens().to_vec();
+            let mut tables = vec![0u32; num_seqs * width];
+            for i in 0..n {
+                let row = host.block_table(i);
+                tables[i * width..i * width + row.len()].copy_from_slice(row);
+            }
+            let mut slot_vec = slots.host().to_vec();
+            let last = cu.last().copied().unwrap_or(0);
+            for k in 1..=(num_seqs - n) {
+                cu.push(last + k as u32);
+                seq_lens.push(1);
+                slot_vec.push(-1);
+            }
+            let batch = PagedBatch::new(&cu, &seq_lens, &tables, width, host.block_size(), device)?;
+            Ok((batch, SlotMapping::new(&slot_vec, device)?))
+        };
+        let (batch, slots) = pad(&self.batch, &self.slot_mapping)?;
+        let mut out = Self::new(batch, slots)?;
+        for g in &self.window_groups {
+            let (batch, slots) = pad(&g.batch, &g.slot_mapping)?;
+            out = out.with_window_group(g.window, batch, slots)?;
+        }
+        out.split_plan_keys = self.split_plan_keys;
+        Ok(out)
+    }
+
+    /// Every tensor a forward pass reads from this metadata, in a fixed
+    /// order: the batch's `cu_seqlens_q`, `seq_lens`, `block_tables` and
+    /// prefix ranges (when present), the slots, the positions, then the same
+    /// of each window group (batch tensors, slots). Two metadata of the same
+    /// shape list tensors of the same shapes: a captured graph's inputs are
+    /// refreshed by copying one list into the other. Chunked-local remaps
+    /// are not listed (they are derived per layer and cached).
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        fn push_batch<'a>(b: &'a PagedBatch, out: &mut Vec<&'a Tensor>) {
+            out.extend([b.cu_seqlens_q(), b.seq_lens(), b.block_tables()]);
+            out.extend(b.prefix_ranges());
+        }
+        let mut out = Vec::new();
+        push_batch(&self.batch, &mut out);
+        out.push(self.slot_mapping.slots());
+        out.push(&self.positions);
+        for g in &self.window_groups {
+            push_batch(&g.batch, &mut out);
+            out.push(g.slot_mapping.slots());
+        }
+        out
     }
 
     /// Adds the tables and slots of the sliding-window group read by layers

@@ -32,6 +32,12 @@ pub enum KvSplit {
     /// Always the split-KV path with this many segments per sequence (at
     /// least 1), whatever the batch.
     Segments(u32),
+    /// As [`Auto`](Self::Auto), but planned for sequences of up to this
+    /// many keys instead of the batch's own lengths, so the launches depend
+    /// only on the batch's shape (sequences, tokens, table width): what a
+    /// CUDA graph replayed with new lengths needs. Empty segments of a
+    /// shorter sequence exit at once.
+    AutoUpTo(u32),
 }
 
 /// Everything `paged_attention` needs besides the query.

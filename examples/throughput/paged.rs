@@ -6,7 +6,9 @@
 //! `has_work`, `step` (its `TokenEvent::id`), `take_completions`
 //! (`Completion::{id, tokens}`), and `reset_stats` / `stats` for the
 //! preemptions, the peak KV blocks in use and the prefix-cache hits of the
-//! timed run (the warm-up excluded).
+//! timed run (the warm-up excluded); `with_cuda_graphs` and
+//! `capture_cuda_graphs` (before the timed run, as a server does at
+//! start-up) for the decode path.
 
 use std::time::{Duration, Instant};
 
@@ -25,6 +27,8 @@ pub struct EngineRun {
     pub outputs: Vec<Vec<u32>>,
     /// The engine's counters over the timed run.
     pub counters: EngineStats,
+    /// Which path the decode steps took.
+    pub decode_path: String,
 }
 
 /// One short request through the engine before the timed run, so that it
@@ -48,16 +52,31 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> Request {
     }
 }
 
-/// Builds an engine over `model` and `cache`, warms it up with
-/// `warmup_prompt` when given, and runs `work`.
+/// Builds an engine over `model` and `cache` (decode steps replaying CUDA
+/// graphs when `cuda_graphs`, all captured before the timed run), warms it
+/// up with `warmup_prompt` when given, and runs `work`.
 pub fn run(
     model: &dyn PagedModel,
     cache: PagedKvCache,
     config: SchedulerConfig,
     work: &[WorkItem],
     warmup_prompt: Option<&[u32]>,
+    cuda_graphs: bool,
 ) -> Result<EngineRun> {
-    let mut engine = Engine::new(model, cache, config)?;
+    let mut engine = Engine::new(model, cache, config)?.with_cuda_graphs(cuda_graphs);
+    let max_context = work
+        .iter()
+        .map(|w| w.prompt.len() + w.max_tokens)
+        .max()
+        .unwrap_or(1);
+    let t = Instant::now();
+    let graphs = engine.capture_cuda_graphs(max_context)?;
+    if graphs > 0 {
+        eprintln!(
+            "paged engine: {graphs} decode graphs captured in {:.2}s",
+            t.elapsed().as_secs_f64()
+        );
+    }
     if let Some(p) = warmup_prompt {
         warm_up(&mut engine, p)?;
     }
@@ -113,9 +132,25 @@ pub fn run(
         100.0 * hits as f64 / (hits + computed).max(1) as f64,
         hits + computed
     ));
+    let decode_path = if engine.uses_cuda_graphs() {
+        let mut line = format!(
+            "CUDA graphs: {} of {} steps replayed, {} kernels per decode step",
+            counters.graph_steps, counters.steps, counters.kernels_per_graph_step
+        );
+        if let Some(e) = engine.cuda_graph_error() {
+            line += &format!(
+                " ({} captures failed: {e})",
+                counters.graph_capture_failures
+            );
+        }
+        line
+    } else {
+        "eager".to_string()
+    };
     Ok(EngineRun {
         stats,
         outputs,
         counters,
+        decode_path,
     })
 }

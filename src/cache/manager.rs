@@ -896,6 +896,35 @@ impl BlockManager {
         Ok(())
     }
 
+    /// The metadata of `num_seqs` padding sequences with tables of `width`
+    /// blocks, shaped like a decode step of this manager's batches (the same
+    /// window groups): each has one new token at position 0 that is not
+    /// stored (slot -1), and all-zero tables. What a CUDA graph of that
+    /// shape can be captured on before any real step runs.
+    pub fn padding_batch(
+        &self,
+        num_seqs: usize,
+        width: usize,
+        device: &Device,
+    ) -> Result<AttentionMetadata> {
+        if num_seqs == 0 {
+            bail!("{OP}: a padding batch needs at least one sequence");
+        }
+        let cu: Vec<u32> = (0..=num_seqs as u32).collect();
+        let seq_lens = vec![1u32; num_seqs];
+        let tables = vec![0u32; num_seqs * width];
+        let slots = vec![-1i64; num_seqs];
+        let bs = self.block_size;
+        let batch = PagedBatch::new(&cu, &seq_lens, &tables, width, bs, device)?;
+        let mut metadata = AttentionMetadata::new(batch, SlotMapping::new(&slots, device)?)?;
+        for w in &self.windows {
+            let batch = PagedBatch::new(&cu, &seq_lens, &tables, width, bs, device)?;
+            metadata =
+                metadata.with_window_group(w.window, batch, SlotMapping::new(&slots, device)?)?;
+        }
+        Ok(metadata)
+    }
+
     fn build(&self, plan: &[Planned], device: &Device) -> Result<ScheduledBatch> {
         let bs = self.block_size;
         let num_tokens: usize = plan.iter().map(|p| p.q_len).sum();

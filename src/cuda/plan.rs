@@ -145,6 +145,19 @@ pub(super) fn plan(
         (KvSplit::Auto, [Some(p), None]) if host.is_pure_decode() => {
             p.segments = auto_segments(p, n, host.max_seqlen_k());
         }
+        (KvSplit::AutoUpTo(keys), [Some(p), None]) if host.is_pure_decode() => {
+            p.segments = auto_segments(p, n, keys as usize);
+        }
+        (KvSplit::AutoUpTo(keys), [Some(d), Some(_)]) => {
+            // As `Auto` below, sized for `keys` instead of the batch's lengths.
+            let decode_seqs = (0..n)
+                .filter(|&i| (1..=fits).contains(&host.q_len(i)))
+                .count();
+            d.segments = auto_segments(d, decode_seqs, keys as usize);
+            if d.segments > 1 {
+                ws_seq_rows = fits;
+            }
+        }
         (KvSplit::Auto, [Some(d), Some(_)]) => {
             // A mixed batch: only the decode-shaped launch splits; its
             // partials are indexed by (sequence, row) so the workspace does
@@ -162,7 +175,7 @@ pub(super) fn plan(
                 ws_seq_rows = fits;
             }
         }
-        (KvSplit::Auto, _) => {}
+        (KvSplit::Auto | KvSplit::AutoUpTo(_), _) => {}
     }
     Ok(Plan {
         head,

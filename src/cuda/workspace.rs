@@ -4,10 +4,13 @@
 //! limits the launch plans read.
 //!
 //! Lifetime: one buffer per candle device (`DeviceId`), created (empty) on
-//! the first tensor-core launch on that device, grown (never shrunk) to the
-//! largest split-KV batch seen, and kept for the life of the process: the
-//! map is a process-global static that is never dropped, and nothing
-//! releases a buffer early (the driver reclaims the memory at exit). The
+//! the first tensor-core launch on that device, grown (never shrunk, in
+//! powers of two) to the largest split-KV batch seen, and kept for the life
+//! of the process: the map is a process-global static that is never
+//! dropped, and nothing releases a buffer early (the driver reclaims the
+//! memory at exit). A buffer replaced by a larger one is kept too (at most
+//! the sum of a geometric series, under twice the largest): a CUDA graph
+//! captured earlier still writes to the address it recorded. The
 //! map's lock is held for the whole launch sequence of a call; the launches
 //! go on that device's stream, so a later call reusing the buffer runs after
 //! the reduce of the earlier one.
@@ -33,6 +36,8 @@ pub(super) struct Workspace {
     pub(super) limits: DeviceLimits,
     /// Split-KV partials, `None` until a call first splits.
     buf: Option<CudaSlice<f32>>,
+    /// Smaller buffers `buf` replaced, which captured graphs may still use.
+    retired: Vec<CudaSlice<f32>>,
 }
 
 /// The per-device workspaces, keyed by candle device.
@@ -63,19 +68,24 @@ pub(super) fn for_device<'m>(
         std::collections::hash_map::Entry::Vacant(e) => e.insert(Workspace {
             limits: device_limits(dev)?,
             buf: None,
+            retired: Vec::new(),
         }),
     })
 }
 
 impl Workspace {
-    /// Grows the buffer to at least `len` f32 elements (never shrinks it);
-    /// `len == 0` leaves it as it is.
+    /// Grows the buffer to at least `len` f32 elements, rounded up to a
+    /// power of two (never shrinks it; the replaced buffer is retired, not
+    /// freed); `len == 0` leaves it as it is.
     pub(super) fn grow(&mut self, dev: &CudaDevice, len: usize) -> Result<()> {
         if len > 0 && self.buf.as_ref().is_none_or(|b| b.len() < len) {
-            self.buf = None;
+            let len = len.checked_next_power_of_two().unwrap_or(len);
             // SAFETY: the kernels write every partial they later read; the
             // reduce reads only partials of programs that ran.
-            self.buf = Some(unsafe { dev.alloc::<f32>(len)? });
+            let new = unsafe { dev.alloc::<f32>(len)? };
+            if let Some(old) = self.buf.replace(new) {
+                self.retired.push(old);
+            }
         }
         Ok(())
     }

@@ -295,10 +295,9 @@ pub fn reshape_and_cache(
     if key_cache.dtype() == DType::F8E4M3 || value_cache.dtype() == DType::F8E4M3 {
         scales.validate(OP)?;
     }
-    if slot_mapping.max_slot().is_none() {
-        // No token to store (none at all, or padding only).
-        return Ok(());
-    }
+    // Launched even when every slot is padding: the launches depend only on
+    // the shapes, so a CUDA graph captured on padding sequences stores the
+    // real tokens of its replays.
     let key = key.contiguous()?;
     let value = value.contiguous()?;
     key_cache.inplace_op3(

@@ -3,8 +3,15 @@
 //! prompts are prefilled in chunks that fit a per-step token budget, mixed
 //! with the decodes of the other sequences).
 
+mod buckets;
+#[cfg(feature = "cuda")]
+mod graphs;
 mod sampling;
 mod scheduler;
+
+pub use buckets::{decode_bucket, decode_split_plan_keys, BATCH_BUCKETS, MIN_TABLE_WIDTH};
+#[cfg(feature = "cuda")]
+pub use graphs::{DecodeGraphs, GraphStats};
 
 pub use sampling::{Sampler, SamplingParams};
 pub use scheduler::{

@@ -6,11 +6,16 @@
 //! others go on; a step that fails for a reason no request owns (the model,
 //! a kernel, the device) is rolled back and its error returned.
 
+#[cfg(feature = "cuda")]
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use candle_core::{bail, Device, Error, Result, Tensor, D};
 
+use super::buckets::decode_split_plan_keys;
+#[cfg(feature = "cuda")]
+use super::graphs::DecodeGraphs;
 use super::sampling::{Sampler, SamplingParams};
 use crate::cache::{BlockManager, ScheduledBatch, Work};
 use crate::models::{PagedKvCache, PagedModel};
@@ -168,6 +173,17 @@ pub struct EngineStats {
     pub peak_used_blocks: usize,
     /// Full-attention blocks in the cache.
     pub num_blocks: usize,
+    /// Decode steps run by replaying a CUDA graph (see
+    /// [`Engine::with_cuda_graphs`]); the other steps ran eagerly.
+    pub graph_steps: usize,
+    /// CUDA graphs captured (one per batch bucket and table width).
+    pub graphs_captured: usize,
+    /// Captures that failed (those shapes run eagerly; see
+    /// [`Engine::cuda_graph_error`]).
+    pub graph_capture_failures: usize,
+    /// Kernels one captured decode step launches (the latest graph's
+    /// kernel nodes; 0 before the first capture).
+    pub kernels_per_graph_step: usize,
 }
 
 /// What a successful forward pass hands to the sampling of a step.
@@ -240,6 +256,17 @@ pub struct Engine<'m, M: PagedModel + ?Sized> {
     stats: EngineStats,
     /// The block manager's hit counter when `stats` was last reset.
     hits_base: usize,
+    /// Whether pure-decode steps on a CUDA device replay CUDA graphs.
+    cuda_graphs: bool,
+    #[cfg(feature = "cuda")]
+    graphs: RefCell<DecodeGraphs>,
+    /// Whether the grow-only scratch buffers of the forward pass have been
+    /// sized for the largest step before the first capture.
+    #[cfg(feature = "cuda")]
+    graph_scratch_sized: std::cell::Cell<bool>,
+    /// Graph counters when `stats` was last reset.
+    #[cfg(feature = "cuda")]
+    graphs_base: super::graphs::GraphStats,
 }
 
 impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
@@ -264,7 +291,87 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             finished: 0,
             stats: EngineStats::default(),
             hits_base: 0,
+            cuda_graphs: true,
+            #[cfg(feature = "cuda")]
+            graphs: RefCell::new(DecodeGraphs::new()),
+            #[cfg(feature = "cuda")]
+            graph_scratch_sized: std::cell::Cell::new(false),
+            #[cfg(feature = "cuda")]
+            graphs_base: Default::default(),
         })
+    }
+
+    /// Whether pure-decode steps (every running sequence decoding one
+    /// token, at most 256 of them) on a CUDA device run as CUDA-graph
+    /// replays: on (the default), each batch bucket and table width is
+    /// captured on its first step and replayed after (see
+    /// [`DecodeGraphs`](crate::models::generation::DecodeGraphs), feature
+    /// `cuda`); off, every step launches its kernels one by one. Prefills
+    /// and mixed steps always run eagerly; on the CPU, or built without the
+    /// `cuda` feature, this has no effect. The tokens are the same either way.
+    pub fn with_cuda_graphs(mut self, enable: bool) -> Self {
+        self.cuda_graphs = enable;
+        self
+    }
+
+    /// True when decode steps may replay CUDA graphs: graphs are on
+    /// ([`with_cuda_graphs`](Self::with_cuda_graphs)), the crate has the
+    /// `cuda` feature and the model is on a CUDA device.
+    pub fn uses_cuda_graphs(&self) -> bool {
+        self.cuda_graphs && cfg!(feature = "cuda") && self.model.device().is_cuda()
+    }
+
+    /// Captures, before any request runs, the decode graphs of every batch
+    /// bucket up to `max_num_seqs` sequences (see
+    /// [`BATCH_BUCKETS`](crate::models::generation::BATCH_BUCKETS)) for
+    /// sequences of up to `max_context` tokens, so that no step pays for a
+    /// capture later (vLLM captures at start-up too). Returns the graphs
+    /// ready; 0 when graphs are off or unavailable (see
+    /// [`uses_cuda_graphs`](Self::uses_cuda_graphs)).
+    pub fn capture_cuda_graphs(&mut self, max_context: usize) -> Result<usize> {
+        if !self.uses_cuda_graphs() {
+            return Ok(0);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            use super::buckets::{decode_bucket, BATCH_BUCKETS, MIN_TABLE_WIDTH};
+            let bs = self.cache.block_size();
+            let Some((_, max_width)) = decode_bucket(1, max_context.div_ceil(bs)) else {
+                return Ok(0);
+            };
+            self.size_graph_scratch()?;
+            let mut ready = 0;
+            let mut graphs = self.graphs.borrow_mut();
+            // Largest first: no capture grows a scratch buffer an earlier
+            // graph uses.
+            for &b in BATCH_BUCKETS.iter().rev() {
+                if b > self.config.max_num_seqs.next_power_of_two() {
+                    continue;
+                }
+                let mut w = MIN_TABLE_WIDTH;
+                while w <= max_width {
+                    let padding = self.manager.padding_batch(b, w, &Device::Cpu)?;
+                    ready += graphs.capture(self.model, &self.cache, &padding)? as usize;
+                    w *= 2;
+                }
+            }
+            Ok(ready)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Ok(0)
+    }
+
+    /// Why the most recent CUDA-graph capture failed (its shape then runs
+    /// eagerly), if one did.
+    pub fn cuda_graph_error(&self) -> Option<String> {
+        #[cfg(feature = "cuda")]
+        {
+            self.graphs.borrow().last_error().map(str::to_owned)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            None
+        }
     }
 
     /// Queues a request; it joins the running batch at a later step.
@@ -388,14 +495,26 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// Counters of the steps run since the engine was built or
     /// [`reset_stats`](Self::reset_stats) was last called.
     pub fn stats(&self) -> EngineStats {
-        EngineStats {
+        let stats = EngineStats {
             prefix_cache_hit_tokens: self
                 .manager
                 .prefix_cache_hit_tokens()
                 .saturating_sub(self.hits_base),
             num_blocks: self.manager.num_blocks(),
             ..self.stats
-        }
+        };
+        #[cfg(feature = "cuda")]
+        let stats = {
+            let (g, base) = (self.graphs.borrow().stats(), self.graphs_base);
+            EngineStats {
+                graph_steps: g.replays - base.replays,
+                graphs_captured: g.captured - base.captured,
+                graph_capture_failures: g.failed - base.failed,
+                kernels_per_graph_step: g.kernels_per_step,
+                ..stats
+            }
+        };
+        stats
     }
 
     /// Starts the counters of [`stats`](Self::stats) afresh (after a
@@ -406,6 +525,10 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             ..EngineStats::default()
         };
         self.hits_base = self.manager.prefix_cache_hit_tokens();
+        #[cfg(feature = "cuda")]
+        {
+            self.graphs_base = self.graphs.borrow().stats();
+        }
     }
 
     /// Finished requests, in the order they finished (drained).
@@ -481,13 +604,29 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                 }
             };
             let Some(why) = shortfall else {
-                let batch = match self.manager.schedule(&work, self.model.device()) {
+                // A decode step that may replay a graph is built on the host:
+                // its values are copied into the graph's inputs.
+                let graph_step = self.uses_cuda_graphs()
+                    && work.iter().all(|w| matches!(w, Work::Decode { .. }));
+                let device = if graph_step {
+                    &Device::Cpu
+                } else {
+                    self.model.device()
+                };
+                let mut batch = match self.manager.schedule(&work, device) {
                     Ok(batch) => batch,
                     Err(e) => {
                         self.unadmit(admitted)?;
                         return Err(e);
                     }
                 };
+                if batch.metadata.batch().host().is_pure_decode() {
+                    // Eager or graph, a decode step plans split-KV for its
+                    // bucket's width (see `decode_split_plan_keys`).
+                    let host = batch.metadata.batch().host();
+                    let keys = decode_split_plan_keys(host.block_table_width(), host.block_size());
+                    batch.metadata = batch.metadata.with_split_plan_keys(keys);
+                }
                 return self.run_batch(batch, admitted);
             };
             if self.running.len() > 1 {
@@ -651,21 +790,24 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// that can fail for a reason no request owns, with nothing changed.
     fn forward(&self, batch: &ScheduledBatch, ready: &[usize]) -> Result<StepLogits> {
         let dev = self.model.device();
-        let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
+        let input = || Tensor::new(batch.token_ids.as_slice(), dev);
         if ready.is_empty() {
             // Only prompt chunks that do not end their prompts: the keys and
             // values are stored, no logits are needed (one row is computed).
             self.model
-                .forward(&input, &batch.metadata, &self.cache, &[0])?;
+                .forward(&input()?, &batch.metadata, &self.cache, &[0])?;
             return Ok(StepLogits {
                 argmax: Vec::new(),
                 sampled: Vec::new(),
             });
         }
         let rows: Vec<usize> = ready.iter().map(|&i| batch.last_rows[i]).collect();
-        let logits = self
-            .model
-            .forward(&input, &batch.metadata, &self.cache, &rows)?;
+        let logits = if batch.metadata.device().is_cpu() && !dev.is_cpu() {
+            self.host_built_forward(batch, &rows)?
+        } else {
+            self.model
+                .forward(&input()?, &batch.metadata, &self.cache, &rows)?
+        };
         let vocab = self.model.vocab_size();
         if logits.dims() != [rows.len(), vocab] {
             bail!(
@@ -705,6 +847,64 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             }
         }
         Ok(StepLogits { argmax, sampled })
+    }
+
+    /// Runs a decode step whose metadata was built on the host: through its
+    /// CUDA graph when one applies, else eagerly on the metadata moved to
+    /// the model's device.
+    fn host_built_forward(&self, batch: &ScheduledBatch, rows: &[usize]) -> Result<Tensor> {
+        let all_rows = rows.iter().copied().eq(0..batch.metadata.num_tokens());
+        #[cfg(feature = "cuda")]
+        if all_rows {
+            self.size_graph_scratch()?;
+            let graphs = self.graphs.try_borrow_mut();
+            let mut graphs =
+                graphs.map_err(|_| Error::Msg(format!("{OP}: the decode graphs are in use")))?;
+            if let Some(logits) =
+                graphs.forward(self.model, &self.cache, &batch.token_ids, &batch.metadata)?
+            {
+                return Ok(logits);
+            }
+        }
+        let _ = all_rows;
+        let host = batch.metadata.batch().host();
+        let metadata = batch.metadata.padded(
+            host.num_seqs(),
+            host.block_table_width(),
+            self.model.device(),
+        )?;
+        let input = Tensor::new(batch.token_ids.as_slice(), self.model.device())?;
+        self.model.forward(&input, &metadata, &self.cache, rows)
+    }
+
+    /// Runs, once before the first CUDA-graph capture, the largest eager
+    /// forward passes the engine will ever run: a step of
+    /// `max(max_batch_tokens, max_num_seqs)` tokens and a decode of 8
+    /// sequences, on padding sequences that store nothing.
+    ///
+    /// Some kernels keep grow-only scratch buffers (candle's quantized
+    /// matmuls: one for batches of up to 8 rows, one for larger ones) and
+    /// free the old buffer when they grow; a graph captured before such a
+    /// growth would go on using the freed memory. Sized first, they never
+    /// grow again. (The split-KV workspace of the attention kernels keeps
+    /// its replaced buffers instead.)
+    #[cfg(feature = "cuda")]
+    fn size_graph_scratch(&self) -> Result<()> {
+        if self.graph_scratch_sized.get() {
+            return Ok(());
+        }
+        let dev = self.model.device();
+        let largest = self.config.max_batch_tokens.max(self.config.max_num_seqs);
+        for (seqs, logit_rows) in [(largest, self.config.max_num_seqs.min(largest)), (8, 8)] {
+            let padding = self
+                .manager
+                .padding_batch(seqs, super::buckets::MIN_TABLE_WIDTH, dev)?;
+            let input = Tensor::zeros(seqs, candle_core::DType::U32, dev)?;
+            let rows: Vec<usize> = (0..logit_rows).collect();
+            self.model.forward(&input, &padding, &self.cache, &rows)?;
+        }
+        self.graph_scratch_sized.set(true);
+        Ok(())
     }
 
     fn run_batch(&mut self, batch: ScheduledBatch, admitted: usize) -> Result<Vec<TokenEvent>> {

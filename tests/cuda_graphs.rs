@@ -1,0 +1,323 @@
+//! CUDA-graph decode steps (GPU only): the engine gives the same greedy
+//! tokens with graphs on and off, graphs really ran, and a replayed step's
+//! logits equal an eager forward's within f32 noise.
+//!
+//! * random-weight Llama (f32) and Gemma 3 (bf16, sliding-window groups)
+//!   through the engine: batches of 1, 3 and 6 sequences (buckets 1, 4 and
+//!   8, shrinking as requests finish) and prompts past 512 tokens (table
+//!   widths 32 and 64 blocks);
+//! * SmolLM2-135M (GGUF Q4_1; `CPA_SMOLLM2_GGUF` names the file, else
+//!   `scripts/fetch-smollm2.sh` fetches it);
+//! * a Llama-3-8B-shaped model with random bf16 weights (ignored by
+//!   default: it needs about 20 GB of GPU memory; run with `--ignored`).
+
+#[macro_use]
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{ensure, Context, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_paged_attention::models::generation::{
+    DecodeGraphs, Engine, EngineStats, Request, SamplingParams, SchedulerConfig,
+};
+use candle_paged_attention::models::{
+    gemma3, llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
+};
+use candle_paged_attention::Work;
+use rand::{Rng, SeedableRng};
+
+/// Greedy completions of `prompts` (by request id) and the engine's counters.
+fn run_engine(
+    model: &dyn PagedModel,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    num_blocks: usize,
+    graphs: bool,
+    precapture: bool,
+) -> Result<(Vec<Vec<u32>>, EngineStats)> {
+    let cache = PagedKvCache::new(
+        &model.attention_layers(),
+        CacheConfig::new(num_blocks),
+        model.dtype(),
+        model.device(),
+    )?;
+    let config = SchedulerConfig {
+        max_batch_tokens: 512,
+        max_num_seqs: 16,
+    };
+    let mut engine = Engine::new(model, cache, config)?.with_cuda_graphs(graphs);
+    if precapture {
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + max_tokens;
+        let ready = engine.capture_cuda_graphs(longest)?;
+        ensure!(!graphs || ready > 0, "no graph was captured up front");
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        // Different lengths: requests finish at different steps, so the
+        // batch shrinks through several buckets.
+        engine.add_request(Request {
+            id: i as u64,
+            prompt: p.clone(),
+            params: SamplingParams::greedy(max_tokens - (3 * i) % (max_tokens / 2)),
+        })?;
+    }
+    let mut out = vec![Vec::new(); prompts.len()];
+    for c in engine.run(|_| {})? {
+        ensure!(c.error().is_none(), "request {}: {:?}", c.id, c.finish);
+        out[c.id as usize] = c.tokens;
+    }
+    if let Some(e) = engine.cuda_graph_error() {
+        anyhow::bail!("a capture failed: {e}");
+    }
+    Ok((out, engine.stats()))
+}
+
+/// Runs the prompts with graphs off and on (captured on demand, or all up
+/// front when `precapture`) and checks the tokens match and the graphs ran.
+fn same_tokens(
+    name: &str,
+    model: &dyn PagedModel,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    num_blocks: usize,
+    precapture: bool,
+) -> Result<()> {
+    let (eager, eager_stats) = run_engine(model, prompts, max_tokens, num_blocks, false, false)?;
+    let (graph, stats) = run_engine(model, prompts, max_tokens, num_blocks, true, precapture)?;
+    eprintln!(
+        "{name}: {} prompts, eager {eager_stats:?}, graphs {stats:?}",
+        prompts.len()
+    );
+    ensure!(eager_stats.graph_steps == 0, "{name}: graphs ran while off");
+    ensure!(
+        stats.graph_steps > 0 && stats.graphs_captured > 0,
+        "{name}: no decode step replayed a graph: {stats:?}"
+    );
+    ensure!(stats.kernels_per_graph_step > 0, "{name}: {stats:?}");
+    for (i, (e, g)) in eager.iter().zip(&graph).enumerate() {
+        let first = e.iter().zip(g).position(|(a, b)| a != b);
+        ensure!(
+            e == g,
+            "{name}: request {i} differs at token {first:?}: eager {e:?}, graph {g:?}"
+        );
+    }
+    Ok(())
+}
+
+fn random_prompts(seed: u64, lens: &[usize], vocab: usize) -> Vec<Vec<u32>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    lens.iter()
+        .map(|&n| (0..n).map(|_| rng.random_range(1..vocab as u32)).collect())
+        .collect()
+}
+
+/// Name and shape of every tensor of a Hugging Face Llama checkpoint.
+fn llama_shapes(cfg: &llama::Config) -> Vec<(String, Vec<usize>)> {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let kv = cfg.num_key_value_heads * (h / cfg.num_attention_heads);
+    let mut v = vec![
+        ("model.embed_tokens.weight".into(), vec![cfg.vocab_size, h]),
+        ("model.norm.weight".into(), vec![h]),
+        ("lm_head.weight".into(), vec![cfg.vocab_size, h]),
+    ];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        v.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![h, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, h]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+        ]);
+    }
+    v
+}
+
+/// A Llama with seeded random weights drawn on `dev`: norms at 1, the rest
+/// normal with standard deviation `std`.
+fn random_llama(cfg: &llama::Config, std: f32, dtype: DType, dev: &Device) -> Result<llama::Llama> {
+    dev.set_seed(11)?;
+    let mut weights = HashMap::new();
+    for (name, shape) in llama_shapes(cfg) {
+        let t = if name.ends_with("norm.weight") {
+            Tensor::ones(shape, dtype, dev)?
+        } else {
+            Tensor::randn(0f32, std, shape, dev)?.to_dtype(dtype)?
+        };
+        weights.insert(name, t);
+    }
+    let vb = VarBuilder::from_tensors(weights, dtype, dev);
+    Ok(llama::Llama::load(vb, cfg, PagedOptions::default())?)
+}
+
+fn llama_config(
+    layers: usize,
+    hidden: usize,
+    intermediate: usize,
+    heads: (usize, usize),
+    vocab: usize,
+) -> llama::Config {
+    llama::Config {
+        hidden_size: hidden,
+        intermediate_size: intermediate,
+        vocab_size: vocab,
+        num_hidden_layers: layers,
+        num_attention_heads: heads.0,
+        num_key_value_heads: heads.1,
+        use_flash_attn: false,
+        rms_norm_eps: 1e-5,
+        rope_theta: 500_000.0,
+        bos_token_id: None,
+        eos_token_id: None,
+        rope_scaling: None,
+        max_position_embeddings: 8192,
+        tie_word_embeddings: false,
+    }
+}
+
+cuda_test! {
+    fn llama_graphs_give_the_eager_tokens(dev: &Device) -> Result<()> {
+        let cfg = llama_config(3, 256, 512, (8, 2), 512);
+        let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
+        for (seed, lens) in [(1, vec![37]), (2, vec![5, 600, 90]), (3, vec![12, 700, 33, 64, 3, 250])] {
+            let prompts = random_prompts(seed, &lens, cfg.vocab_size);
+            same_tokens(&format!("llama {lens:?}"), &model, &prompts, 24, 512, seed == 3)?;
+        }
+        Ok(())
+    }
+}
+
+fn gemma3_config(window: usize) -> Result<gemma3::Config> {
+    Ok(serde_json::from_str(&format!(
+        r#"{{"attention_bias": false, "head_dim": 64, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+        "num_hidden_layers": 4, "num_key_value_heads": 1, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "vocab_size": 400,
+        "final_logit_softcapping": null, "attn_logit_softcapping": null,
+        "query_pre_attn_scalar": 64, "sliding_window": {window},
+        "sliding_window_pattern": 2, "max_position_embeddings": 4096}}"#
+    ))?)
+}
+
+cuda_test! {
+    fn gemma3_graphs_give_the_eager_tokens(dev: &Device) -> Result<()> {
+        // Window 48 over 16-token blocks: the window layers read their own
+        // group's tables, whose out-of-window blocks are recycled.
+        let cfg = gemma3_config(48)?;
+        let varmap = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::BF16, dev);
+        let model = gemma3::Gemma3::load(vb, &cfg, PagedOptions::default())?;
+        for (seed, lens) in [(4, vec![20]), (5, vec![70, 9, 530])] {
+            let prompts = random_prompts(seed, &lens, 400);
+            same_tokens(&format!("gemma3 {lens:?}"), &model, &prompts, 40, 256, seed == 5)?;
+        }
+        Ok(())
+    }
+}
+
+cuda_test! {
+    fn replayed_logits_equal_eager_logits(dev: &Device) -> Result<()> {
+        let cfg = llama_config(2, 256, 512, (8, 2), 512);
+        let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
+        let cache = PagedKvCache::new(
+            &model.attention_layers(),
+            CacheConfig::new(128),
+            model.dtype(),
+            dev,
+        )?;
+        let mut manager = cache.block_manager()?;
+        let prompts = random_prompts(6, &[40, 300, 7], cfg.vocab_size);
+        let mut work = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            manager.add_sequence(i as u64, p)?;
+            work.push(Work::Prefill { seq_id: i as u64, num_tokens: p.len() });
+        }
+        let batch = manager.schedule(&work, dev)?;
+        let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
+        let mut next = model
+            .forward(&input, &batch.metadata, &cache, &batch.last_rows)?
+            .argmax(candle_core::D::Minus1)?
+            .to_vec1::<u32>()?;
+        let mut graphs = DecodeGraphs::new();
+        // Several replays of one graph: each must read the step's new values.
+        for step in 0..5 {
+            let work: Vec<Work> = next
+                .iter()
+                .enumerate()
+                .map(|(i, &token)| Work::Decode { seq_id: i as u64, token })
+                .collect();
+            let batch = manager.schedule(&work, &Device::Cpu)?;
+            let replayed = graphs
+                .forward(&model, &cache, &batch.token_ids, &batch.metadata)?
+                .context("a pure-decode step must run through a graph")?;
+            let host = batch.metadata.batch().host();
+            let on_dev = batch.metadata.padded(host.num_seqs(), host.block_table_width(), dev)?;
+            let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
+            let eager = model.forward(&input, &on_dev, &cache, &[0, 1, 2])?;
+            let diff = (&replayed - &eager)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            let scale = eager.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            eprintln!("step {step}: max |graph - eager| {diff:e} (max |logit| {scale})");
+            ensure!(diff <= 1e-4 * scale.max(1.0), "step {step}: logits differ by {diff}");
+            next = replayed.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+        }
+        ensure!(graphs.stats().captured == 1 && graphs.stats().replays == 5, "{:?}", graphs.stats());
+        Ok(())
+    }
+}
+
+fn smollm2_path() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("CPA_SMOLLM2_GGUF") {
+        return Ok(PathBuf::from(p));
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = Command::new("bash")
+        .arg(format!("{root}/scripts/fetch-smollm2.sh"))
+        .output()
+        .context("running scripts/fetch-smollm2.sh")?;
+    ensure!(
+        out.status.success(),
+        "scripts/fetch-smollm2.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
+cuda_test! {
+    fn smollm2_graphs_give_the_eager_tokens(dev: &Device) -> Result<()> {
+        let path = smollm2_path()?;
+        let mut file = std::fs::File::open(&path).with_context(|| path.display().to_string())?;
+        let content = gguf_file::Content::read(&mut file)?;
+        let model = quantized_llama::QuantizedLlama::from_gguf(
+            &content,
+            &mut file,
+            dev,
+            PagedOptions::default(),
+        )?;
+        let prompts = random_prompts(7, &[30, 8, 520, 64, 200, 17], 49152);
+        same_tokens("smollm2", &model, &prompts, 48, 1024, false)?;
+        // Graphs captured before any step (smallest buckets last), then
+        // prefill chunks of varied prompts between the replays: the
+        // quantized matmuls' scratch buffers must not move under the graphs.
+        let lens: Vec<usize> = (0..14).map(|i| 40 + 37 * i).collect();
+        let prompts = random_prompts(9, &lens, 49152);
+        same_tokens("smollm2 pre-captured", &model, &prompts, 40, 2048, true)
+    }
+}
+
+cuda_test! {
+    #[ignore = "needs about 20 GB of GPU memory; run with --ignored"]
+    fn llama3_8b_shaped_graphs_give_the_eager_tokens(dev: &Device) -> Result<()> {
+        let cfg = llama_config(32, 4096, 14336, (32, 8), 128_256);
+        let model = random_llama(&cfg, 0.02, DType::BF16, dev)?;
+        let prompts = random_prompts(8, &[128, 20, 600, 64], cfg.vocab_size);
+        same_tokens("llama3-8b-shaped", &model, &prompts, 24, 1024, false)
+    }
+}
