@@ -453,3 +453,310 @@ impl PagedModel for QuantizedGemma3 {
         self.output.forward(&x)?.to_dtype(DType::F32)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::io::Cursor;
+
+    use candle_core::quantized::gguf_file::{Content, Value, VersionedMagic};
+    use candle_core::quantized::GgmlDType;
+    use candle_nn::{VarBuilder, VarMap};
+
+    use super::*;
+    use crate::cache::Work;
+    use crate::models::gemma3::{Config, Gemma3};
+    use crate::models::CacheConfig;
+
+    fn metadata() -> Vec<(&'static str, Value)> {
+        vec![
+            ("general.architecture", Value::String("gemma3".into())),
+            ("gemma3.block_count", Value::U32(3)),
+            ("gemma3.embedding_length", Value::U32(64)),
+            ("gemma3.attention.head_count", Value::U32(4)),
+            ("gemma3.attention.head_count_kv", Value::U32(2)),
+            ("gemma3.attention.key_length", Value::U32(16)),
+            ("gemma3.attention.value_length", Value::U32(16)),
+            ("gemma3.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+            ("gemma3.attention.sliding_window", Value::U32(5)),
+            ("gemma3.attention.sliding_window_type", Value::U32(2)),
+            ("gemma3.rope.freq_base", Value::F32(10000.)),
+            ("gemma3.rope.local_freq_base", Value::F32(100.)),
+            ("gemma3.rope.scaling.type", Value::String("linear".into())),
+            ("gemma3.rope.scaling.factor", Value::F32(4.)),
+            ("gemma3.context_length", Value::U32(128)),
+        ]
+    }
+
+    fn content(md: &[(&'static str, Value)]) -> Content {
+        Content {
+            magic: VersionedMagic::GgufV3,
+            metadata: md.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+            tensor_infos: HashMap::new(),
+            tensor_data_offset: 0,
+        }
+    }
+
+    /// The metadata with `key` replaced by `value` (removed when `None`).
+    fn with(key: &'static str, value: Option<Value>) -> Content {
+        let mut md = metadata();
+        md.retain(|(k, _)| *k != key);
+        md.extend(value.map(|v| (key, v)));
+        content(&md)
+    }
+
+    #[test]
+    fn params_come_from_the_metadata() -> Result<()> {
+        let p = GgufGemma3Params::from_gguf(&content(&metadata()))?;
+        assert_eq!(
+            p,
+            GgufGemma3Params {
+                num_layers: 3,
+                num_heads: 4,
+                num_kv_heads: 2,
+                hidden_size: 64,
+                head_dim: 16,
+                rms_norm_eps: 1e-6f32 as f64,
+                sliding_window: 5,
+                sliding_window_pattern: 2,
+                rope_freq_base: 10000.,
+                rope_local_freq_base: 100.,
+                rope_scaling_factor: Some(4.),
+                query_pre_attn_scalar: 16,
+                context_length: Some(128),
+            }
+        );
+        assert_eq!(
+            (0..3).map(|i| p.layer_window(i)).collect::<Vec<_>>(),
+            [Some(5), None, Some(5)]
+        );
+        // Defaults: pattern 6, both rope bases, no scaling, no context length.
+        let mut md = metadata();
+        md.retain(|(k, _)| {
+            !k.contains("sliding_window_type")
+                && !k.contains("rope")
+                && !k.contains("context_length")
+        });
+        let p = GgufGemma3Params::from_gguf(&content(&md))?;
+        assert_eq!(
+            (
+                p.sliding_window_pattern,
+                p.rope_freq_base,
+                p.rope_local_freq_base,
+                p.rope_scaling_factor,
+                p.context_length
+            ),
+            (6, 1e6, 1e4, None, None)
+        );
+        // The 27B model (62 layers) scales by hidden_size / num_heads.
+        let p = GgufGemma3Params::from_gguf(&with("gemma3.block_count", Some(Value::U32(62))))?;
+        assert_eq!(p.query_pre_attn_scalar, 16);
+        // Otherwise by the head size.
+        let mut md = metadata();
+        for (k, v) in md.iter_mut() {
+            if k.ends_with("_length") && k.contains("attention") {
+                *v = Value::U32(32);
+            }
+        }
+        let p = GgufGemma3Params::from_gguf(&content(&md))?;
+        assert_eq!((p.head_dim, p.query_pre_attn_scalar), (32, 32));
+        Ok(())
+    }
+
+    #[test]
+    fn bad_metadata_is_refused_by_name() {
+        let cases = [
+            (
+                with("general.architecture", Some(Value::String("llama".into()))),
+                "quantized-gemma3: GGUF architecture must be gemma3, got llama",
+            ),
+            (
+                with("gemma3.attention.sliding_window", None),
+                "quantized-gemma3: GGUF metadata has no gemma3.attention.sliding_window",
+            ),
+            (
+                with("gemma3.block_count", Some(Value::U32(0))),
+                "quantized-gemma3: GGUF gemma3.block_count must be in 1..=u32::MAX, got U32(0)",
+            ),
+            (
+                with("gemma3.attention.value_length", Some(Value::U32(32))),
+                "quantized-gemma3: key_length 16 and value_length 32 must be equal",
+            ),
+            (
+                with("gemma3.rope.scaling.type", Some(Value::String("yarn".into()))),
+                "quantized-gemma3: only linear rope scaling is supported, got yarn",
+            ),
+            (
+                with("gemma3.rope.freq_base", Some(Value::F32(-1.))),
+                "quantized-gemma3: GGUF gemma3.rope.freq_base must be a positive f32, got F32(-1.0)",
+            ),
+            (
+                with(
+                    "gemma3.attention.layer_norm_rms_epsilon",
+                    Some(Value::F32(f32::NAN)),
+                ),
+                "quantized-gemma3: GGUF gemma3.attention.layer_norm_rms_epsilon must be a positive f32, got F32(NaN)",
+            ),
+        ];
+        for (ct, want) in cases {
+            // The message, then a backtrace when RUST_BACKTRACE is set.
+            let err = GgufGemma3Params::from_gguf(&ct).unwrap_err().to_string();
+            assert_eq!(err.lines().next(), Some(want), "{err}");
+        }
+    }
+
+    /// The GGUF name of a Hugging Face tensor, and whether it is a norm
+    /// (stored as `1 + weight`).
+    fn gguf_name(hf: &str) -> Option<(String, bool)> {
+        match hf {
+            "model.embed_tokens.weight" => return Some(("token_embd.weight".into(), false)),
+            "model.norm.weight" => return Some(("output_norm.weight".into(), true)),
+            _ => {}
+        }
+        let (i, name) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+        let (gguf, is_norm) = match name {
+            "self_attn.q_proj.weight" => ("attn_q", false),
+            "self_attn.k_proj.weight" => ("attn_k", false),
+            "self_attn.v_proj.weight" => ("attn_v", false),
+            "self_attn.o_proj.weight" => ("attn_output", false),
+            "self_attn.q_norm.weight" => ("attn_q_norm", true),
+            "self_attn.k_norm.weight" => ("attn_k_norm", true),
+            "input_layernorm.weight" => ("attn_norm", true),
+            "post_attention_layernorm.weight" => ("post_attention_norm", true),
+            "pre_feedforward_layernorm.weight" => ("ffn_norm", true),
+            "post_feedforward_layernorm.weight" => ("post_ffw_norm", true),
+            "mlp.gate_proj.weight" => ("ffn_gate", false),
+            "mlp.up_proj.weight" => ("ffn_up", false),
+            "mlp.down_proj.weight" => ("ffn_down", false),
+            _ => return None,
+        };
+        Some((format!("blk.{i}.{gguf}.weight"), is_norm))
+    }
+
+    /// Two sequences (11 and 3 prompt tokens, then 3 decodes) with window
+    /// groups of 8 blocks of 4: the logits of each step, `(2, vocab)`.
+    fn run(model: &dyn PagedModel) -> Result<Vec<Tensor>> {
+        let dev = Device::Cpu;
+        let cache = PagedKvCache::new(
+            &model.attention_layers(),
+            CacheConfig {
+                window_blocks: Some(8),
+                ..CacheConfig::new(16)
+            },
+            DType::F32,
+            &dev,
+        )?;
+        let mut manager = cache.block_manager()?;
+        let prompts: [Vec<u32>; 2] = [(0..11).map(|i| i * 7 % 50).collect(), vec![3, 1, 4]];
+        for (i, p) in prompts.iter().enumerate() {
+            manager.add_sequence(i as u64, p)?;
+        }
+        let mut work: Vec<Work> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Work::Prefill {
+                seq_id: i as u64,
+                num_tokens: p.len(),
+            })
+            .collect();
+        let mut out = Vec::new();
+        for step in 0..4u32 {
+            let batch = manager.schedule(&work, &dev)?;
+            let ids = Tensor::new(batch.token_ids.as_slice(), &dev)?;
+            out.push(model.forward(&ids, &batch.metadata, &cache, &batch.last_rows)?);
+            work = (0..2)
+                .map(|i| Work::Decode {
+                    seq_id: i,
+                    token: 10 + step + i as u32,
+                })
+                .collect();
+        }
+        Ok(out)
+    }
+
+    fn write_gguf(
+        md: &HashMap<String, Value>,
+        tensors: &[(String, QTensor)],
+    ) -> Result<Cursor<Vec<u8>>> {
+        let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+        let mut file = Cursor::new(Vec::new());
+        gguf_file::write(&mut file, &md, &ts)?;
+        file.set_position(0);
+        Ok(file)
+    }
+
+    fn max_abs(t: &Tensor) -> Result<f32> {
+        t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    /// A small random Gemma 3 written as a GGUF file (norms shifted by one,
+    /// names as llama.cpp writes them) gives the logits of the paged
+    /// safetensors `Gemma3` on the same weights: the layer pattern from
+    /// `sliding_window_type`, the window in prefills and decodes, the GELU
+    /// MLP, both rope bases and the linear scaling of the global layers.
+    #[test]
+    fn random_gguf_matches_the_safetensors_model() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg: Config = serde_json::from_str(
+            r#"{"attention_bias": false, "head_dim": 16, "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+            "num_hidden_layers": 3, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "rope_local_base_freq": 100.0, "vocab_size": 50,
+            "query_pre_attn_scalar": 16, "sliding_window": 5, "sliding_window_pattern": 2,
+            "max_position_embeddings": 128, "rope_scaling": {"factor": 4.0}}"#,
+        )
+        .map_err(candle_core::Error::wrap)?;
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+        let opts = PagedOptions {
+            block_size: 4,
+            ..Default::default()
+        };
+        Gemma3::load(vb.clone(), &cfg, opts)?;
+        let mut tensors = Vec::new();
+        {
+            let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
+            for (name, var) in data.iter() {
+                let Some((gguf, is_norm)) = gguf_name(name) else {
+                    bail!("unmapped tensor {name}");
+                };
+                let w = Tensor::randn(0f32, if is_norm { 0.2 } else { 0.15 }, var.shape(), &dev)?;
+                var.set(&w)?;
+                let stored = if is_norm { (w + 1.0)? } else { w };
+                tensors.push((gguf, QTensor::quantize(&stored, GgmlDType::F32)?));
+            }
+        }
+        let reference = Gemma3::load(vb, &cfg, opts)?;
+        let want = run(&reference)?;
+
+        let md = content(&metadata()).metadata;
+        let mut file = write_gguf(&md, &tensors)?;
+        let ct = gguf_file::Content::read(&mut file)?;
+        let ours = QuantizedGemma3::from_gguf(&ct, &mut file, &dev, opts)?;
+        assert_eq!((ours.max_seq_len(), ours.vocab_size()), (128, 50));
+        let windows: Vec<_> = ours
+            .attention_layers()
+            .iter()
+            .map(|a| a.options().sliding_window)
+            .collect();
+        assert_eq!(windows, [Some(5), None, Some(5)]);
+        for (step, (a, b)) in run(&ours)?.iter().zip(&want).enumerate() {
+            let (diff, scale) = (max_abs(&(a - b)?)?, max_abs(b)?);
+            assert!(scale > 0.1, "step {step}: degenerate logits {scale}");
+            assert!(
+                diff < 1e-4 * scale.max(1.0),
+                "step {step}: logits differ by {diff}"
+            );
+        }
+
+        // Without the scaling factor the global layer rotates differently.
+        let md = with("gemma3.rope.scaling.factor", None).metadata;
+        let mut file = write_gguf(&md, &tensors)?;
+        let ct = gguf_file::Content::read(&mut file)?;
+        let plain = QuantizedGemma3::from_gguf_dequantized(&ct, &mut file, &dev, opts)?;
+        let diff = max_abs(&(&run(&plain)?[3] - &want[3])?)?;
+        assert!(diff > 1e-3, "rope scaling changes nothing ({diff})");
+        Ok(())
+    }
+}
