@@ -381,30 +381,41 @@ fn gemma3_270m_reference_copy_matches_candle_transformers() -> Result<()> {
     let vocab = vocabulary(&gguf_file::Content::read(&mut std::fs::File::open(&path)?)?)?;
     let prompts = prompts(&vocab)?;
     let mut f32_gguf = dequantized_gguf(&path)?;
+    // One model at a time (each holds ~2-4 GB), each over both prompts.
+    let run = |forward: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>| {
+        prompts[..2]
+            .iter()
+            .map(|p| greedy(&mut *forward, p, 4))
+            .collect::<Result<Vec<_>>>()
+    };
     let content = read_content(&mut f32_gguf)?;
     let mut published = candle_transformers::models::quantized_gemma3::ModelWeights::from_gguf(
         content,
         &mut f32_gguf,
         &Device::Cpu,
     )?;
+    let expected = run(&mut |x, p| published.forward(x, p))?;
+    drop(published);
     let mut copy = reference(&mut f32_gguf, Patches::NONE)?;
+    let copied = run(&mut |x, p| copy.forward(x, p))?;
+    drop(copy);
     let mut patched = reference(&mut f32_gguf, Patches::HF)?;
-    for prompt in &prompts[..2] {
-        let (want, want_logits) = greedy(|x, p| published.forward(x, p), prompt, 4)?;
-        let (got, got_logits) = greedy(|x, p| copy.forward(x, p), prompt, 4)?;
-        let (diff, scale) = max_diff(&got_logits, &want_logits)?;
+    let hf = run(&mut |x, p| patched.forward(x, p))?;
+    for (i, (want, want_logits)) in expected.iter().enumerate() {
+        let (got, got_logits) = &copied[i];
+        let (diff, scale) = max_diff(got_logits, want_logits)?;
         println!(
             "reference copy vs candle-transformers ({} prompt tokens): {got:?} vs {want:?}, max |logit diff| {diff:.1e} (max |logit| {scale:.1})",
-            prompt.len()
+            prompts[i].len()
         );
         assert_eq!(got, want);
         assert_eq!(diff, 0.0);
-        let (hf, hf_logits) = greedy(|x, p| patched.forward(x, p), prompt, 4)?;
+        let (hf, hf_logits) = &hf[i];
         let (moved, _) = max_diff(&hf_logits[..1], &want_logits[..1])?;
         println!(
             "  patched: {hf:?} ({:?} vs {:?}), logits after the prompt move by {moved:.2}",
-            decode(&vocab, &hf),
-            decode(&vocab, &want)
+            decode(&vocab, hf),
+            decode(&vocab, want)
         );
         assert!(moved > 1.0, "the patches move the logits by only {moved}");
     }
@@ -434,6 +445,7 @@ fn gemma3_270m_greedy_tokens_match_reference() -> Result<()> {
     for p in &prompts {
         expected.push(greedy(|x, i| hf.forward(x, i), p, NEW_TOKENS)?);
     }
+    drop(hf);
     // candle-transformers' window (`<= w`) with the GELU patch: the prefill
     // logits of the long prompts.
     let mut wide = reference(
@@ -450,7 +462,7 @@ fn gemma3_270m_greedy_tokens_match_reference() -> Result<()> {
             Ok(wide.forward(&x, 0)?.squeeze(0)?)
         })
         .collect::<Result<_>>()?;
-    drop((hf, wide));
+    drop(wide);
 
     let model = ours(&mut f32_gguf, true)?;
     drop(f32_gguf);
