@@ -7,7 +7,8 @@
 //! ```
 //!
 //! Without a model path, SmolLM2-135M-Instruct is fetched by
-//! `scripts/fetch-smollm2.sh`. One prompt streams its tokens; several run
+//! `scripts/fetch-smollm2.sh`; `gemma3-270m` in its place fetches Gemma 3
+//! 270M through `scripts/fetch-gemma3.sh`. One prompt streams its tokens; several run
 //! through the continuous-batching engine and print each output and the
 //! aggregate throughput.
 //!
@@ -34,6 +35,7 @@ use candle_paged_attention::models::chat::{self, ChatMessage};
 use candle_paged_attention::models::generation::{
     Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
+use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
 use candle_paged_attention::models::tokenizer::{self, TextStream};
 use candle_paged_attention::models::{
     gemma2, gemma3, llama, quantized_llama, CacheConfig, CachePlan, CacheSizing, PagedKvCache,
@@ -46,9 +48,11 @@ use tokenizers::Tokenizer;
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with paged Llama / Gemma models and continuous batching")]
 pub struct Args {
-    /// A GGUF file (quantized Llama) or a directory with config.json,
-    /// *.safetensors and tokenizer.json (Llama, Gemma 2, Gemma 3). Default:
-    /// SmolLM2-135M-Instruct, fetched by scripts/fetch-smollm2.sh.
+    /// A GGUF file (quantized Llama or Gemma 3), a directory with
+    /// config.json, *.safetensors and tokenizer.json (Llama, Gemma 2, Gemma
+    /// 3), or `gemma3-270m` (Gemma 3 270M, fetched by
+    /// scripts/fetch-gemma3.sh). Default: SmolLM2-135M-Instruct, fetched by
+    /// scripts/fetch-smollm2.sh.
     model: Option<PathBuf>,
     /// A prompt; repeat for several (they run as one continuous batch).
     #[arg(long)]
@@ -136,8 +140,11 @@ struct Loaded {
     name: String,
 }
 
-fn fetch_smollm2() -> Result<PathBuf> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-smollm2.sh");
+/// Runs `scripts/{script}` and returns the model path it prints.
+fn fetch(script: &str) -> Result<PathBuf> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts")
+        .join(script);
     let out = Command::new("bash")
         .arg(&script)
         .stderr(std::process::Stdio::inherit())
@@ -198,13 +205,26 @@ fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Resu
         .cloned()
         .unwrap_or_else(|| path.display().to_string());
     let eos = stop_tokens(&tokenizer, tokenizer::gguf_eos_token(&ct));
-    let model = if args.dequantize {
-        quantized_llama::QuantizedLlama::from_gguf_dequantized(&ct, &mut file, dev, opts)?
-    } else {
-        quantized_llama::QuantizedLlama::from_gguf(&ct, &mut file, dev, opts)?
+    let arch = ct
+        .metadata
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_default();
+    let model: Box<dyn PagedModel> = match (arch.as_str(), args.dequantize) {
+        ("gemma3", true) => Box::new(QuantizedGemma3::from_gguf_dequantized(
+            &ct, &mut file, dev, opts,
+        )?),
+        ("gemma3", false) => Box::new(QuantizedGemma3::from_gguf(&ct, &mut file, dev, opts)?),
+        (_, true) => Box::new(quantized_llama::QuantizedLlama::from_gguf_dequantized(
+            &ct, &mut file, dev, opts,
+        )?),
+        (_, false) => Box::new(quantized_llama::QuantizedLlama::from_gguf(
+            &ct, &mut file, dev, opts,
+        )?),
     };
     Ok(Loaded {
-        model: Box::new(model),
+        model,
         chat: chat_of(&tokenizer, template.contains("SmolLM")),
         tokenizer,
         eos,
@@ -437,8 +457,9 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         d => bail!("--device must be cpu or cuda, got {d}"),
     };
     let path = match &args.model {
+        Some(p) if p.as_os_str() == "gemma3-270m" && !p.exists() => fetch("fetch-gemma3.sh")?,
         Some(p) => p.clone(),
-        None => fetch_smollm2()?,
+        None => fetch("fetch-smollm2.sh")?,
     };
     let opts = PagedOptions {
         block_size: args.block_size,

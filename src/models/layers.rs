@@ -1,6 +1,9 @@
 //! Small building blocks shared by the models.
 
-use candle_core::{bail, Result, Tensor};
+use std::borrow::Cow;
+
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
+use candle_core::{bail, Device, Result, Tensor};
 use candle_nn::{Activation, Linear, Module, VarBuilder};
 
 /// Gemma's RMS norm: `x / sqrt(mean(x^2) + eps) * (1 + weight)` over the last
@@ -138,4 +141,184 @@ impl Module for GatedMlp {
 /// `c * tanh(x / c)`.
 pub(crate) fn softcap(x: &Tensor, c: f64) -> Result<Tensor> {
     (x / c)?.tanh()? * c
+}
+
+/// Quantized projections of one input (q/k/v, gate/up): one `QMatMul` over
+/// their weights' rows concatenated when they share a GGML dtype, else one
+/// each.
+///
+/// GGML stores a weight row by row, each row in whole quantization blocks
+/// (its width is a multiple of the block size), so the rows of two
+/// weights of one dtype concatenate as raw bytes into one valid weight.
+#[derive(Clone, Debug)]
+pub(crate) struct QProjections {
+    /// The model named in error messages.
+    component: &'static str,
+    kind: QProjectionKind,
+}
+
+#[derive(Clone, Debug)]
+enum QProjectionKind {
+    /// One matmul; the output width of each projection.
+    Fused(QMatMul, Vec<usize>),
+    /// One matmul per projection (their dtypes differ).
+    Separate(Vec<QMatMul>),
+}
+
+impl QProjections {
+    /// Joins `weights` (`(out_i, in)` each, on the CPU as read from the
+    /// file) on `device`; dequantized to f32 first when `dequantize`.
+    /// `component` names the model in error messages.
+    pub(crate) fn new(
+        component: &'static str,
+        weights: Vec<QTensor>,
+        device: &Device,
+        dequantize: bool,
+    ) -> Result<Self> {
+        let Some(first) = weights.first() else {
+            bail!("{component}: no projection to join");
+        };
+        let (dtype, in_dim) = (first.dtype(), first.shape().dims2()?.1);
+        let mut outs = Vec::with_capacity(weights.len());
+        for w in &weights {
+            let (out, k) = w.shape().dims2()?;
+            if k != in_dim {
+                bail!("{component}: projections of one input have widths {in_dim} and {k}");
+            }
+            outs.push(out);
+        }
+        let kind = if dequantize {
+            let dense = weights
+                .iter()
+                .map(|w| w.dequantize(device))
+                .collect::<Result<Vec<_>>>()?;
+            QProjectionKind::Fused(QMatMul::Tensor(Tensor::cat(&dense, 0)?), outs)
+        } else if weights.iter().any(|w| w.dtype() != dtype) {
+            let on_device = weights
+                .iter()
+                .map(|w| {
+                    let storage = QStorage::from_data(w.data()?, device, w.dtype())?;
+                    QMatMul::from_qtensor(QTensor::new(storage, w.shape().clone())?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            QProjectionKind::Separate(on_device)
+        } else {
+            let mut bytes =
+                Vec::with_capacity(weights.iter().map(QTensor::storage_size_in_bytes).sum());
+            for w in &weights {
+                bytes.extend_from_slice(&w.data()?);
+            }
+            let storage = QStorage::from_data(Cow::Owned(bytes), device, dtype)?;
+            let rows = outs.iter().sum::<usize>();
+            let joined = QTensor::new(storage, (rows, in_dim))?;
+            QProjectionKind::Fused(QMatMul::from_qtensor(joined)?, outs)
+        };
+        Ok(Self { component, kind })
+    }
+
+    /// Whether the projections run as one matmul.
+    #[cfg(test)]
+    fn is_fused(&self) -> bool {
+        matches!(self.kind, QProjectionKind::Fused(..))
+    }
+
+    /// `x` `(num_tokens, in)` -> the `N` projections, `(num_tokens, out_i)`.
+    pub(crate) fn forward<const N: usize>(&self, x: &Tensor) -> Result<[Tensor; N]> {
+        let parts = match &self.kind {
+            QProjectionKind::Fused(w, outs) => split_columns(&w.forward(x)?, outs)?,
+            QProjectionKind::Separate(ws) => {
+                ws.iter().map(|w| w.forward(x)).collect::<Result<_>>()?
+            }
+        };
+        let n = parts.len();
+        parts.try_into().map_err(|_| {
+            candle_core::Error::msg(format!("{}: {n} projections, not {N}", self.component))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::GgmlDType;
+
+    use super::*;
+
+    /// Rows of weights of one dtype concatenate as raw bytes: the joined
+    /// matmul equals the separate ones, exactly for block formats;
+    /// weights of different dtypes stay separate.
+    #[test]
+    fn joined_projections_equal_separate_ones() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1., (5, 64), &dev)?;
+        for dtype in [
+            GgmlDType::Q4_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::F16,
+        ] {
+            let dense = [
+                Tensor::randn(0f32, 1., (48, 64), &dev)?,
+                Tensor::randn(0f32, 1., (16, 64), &dev)?,
+                Tensor::randn(0f32, 1., (16, 64), &dev)?,
+            ];
+            // A super-block format needs rows of 256.
+            let dense = if dtype == GgmlDType::Q4K {
+                dense.map(|t| t.repeat((1, 4)).expect("repeat"))
+            } else {
+                dense
+            };
+            let x = if dtype == GgmlDType::Q4K {
+                x.repeat((1, 4))?
+            } else {
+                x.clone()
+            };
+            let quantized = dense
+                .iter()
+                .map(|t| QTensor::quantize(t, dtype))
+                .collect::<Result<Vec<_>>>()?;
+            let separate = quantized
+                .iter()
+                .map(|q| {
+                    let storage = QStorage::from_data(q.data()?, &dev, q.dtype())?;
+                    QMatMul::from_qtensor(QTensor::new(storage, q.shape().clone())?)?.forward(&x)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let joined = QProjections::new("quantized-llama", quantized, &dev, false)?;
+            assert!(joined.is_fused(), "{dtype:?}");
+            let [q, k, v] = joined.forward(&x)?;
+            for (a, b) in [q, k, v].iter().zip(&separate) {
+                assert_eq!(a.dims(), b.dims());
+                let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                // Quantized dot products run row by row: bit for bit. F16
+                // weights become a dense f32 matmul, whose blocking follows
+                // the output width: float rounding.
+                let tol = if dtype == GgmlDType::F16 { 1e-5 } else { 0.0 };
+                assert!(diff <= tol, "{dtype:?}: {diff}");
+            }
+        }
+        let mixed = vec![
+            QTensor::quantize(&Tensor::randn(0f32, 1., (32, 64), &dev)?, GgmlDType::Q4_1)?,
+            QTensor::quantize(&Tensor::randn(0f32, 1., (32, 64), &dev)?, GgmlDType::Q8_0)?,
+        ];
+        let p = QProjections::new("quantized-llama", mixed, &dev, false)?;
+        assert!(!p.is_fused());
+        let [a, b] = p.forward(&x)?;
+        assert_eq!((a.dims(), b.dims()), (&[5, 32][..], &[5, 32][..]));
+        let err = QProjections::new(
+            "quantized-llama",
+            vec![
+                QTensor::quantize(&Tensor::randn(0f32, 1., (32, 64), &dev)?, GgmlDType::Q8_0)?,
+                QTensor::quantize(&Tensor::randn(0f32, 1., (32, 96), &dev)?, GgmlDType::Q8_0)?,
+            ],
+            &dev,
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("quantized-llama: projections of one input have widths 64 and 96"),
+            "{err}"
+        );
+        Ok(())
+    }
 }

@@ -12,6 +12,8 @@
 //!
 //! * [`llama::Llama`] - Llama 2/3 (SmolLM2, TinyLlama, ...) from safetensors.
 //! * [`quantized_llama::QuantizedLlama`] - Llama from a GGUF file (`QMatMul`).
+//! * [`quantized_gemma3::QuantizedGemma3`] - Gemma 3 from a GGUF file
+//!   (`QMatMul`), with Hugging Face's sliding window and activation.
 //! * [`gemma2::Gemma2`], [`gemma3::Gemma3`] - softcapping, alternating
 //!   sliding-window and global layers, Gemma 3's q/k norms and rope bases.
 //! * [`tokenizer`] - a `tokenizers` BPE tokenizer from GGUF metadata.
@@ -25,6 +27,7 @@ pub mod generation;
 mod kv_cache;
 mod layers;
 pub mod llama;
+pub mod quantized_gemma3;
 pub mod quantized_llama;
 mod rotary;
 pub mod tokenizer;

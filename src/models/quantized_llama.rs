@@ -10,14 +10,13 @@
 //! dtype (a step then quantizes each activation once and launches one
 //! matmul instead of three or two), and kept apart otherwise.
 
-use std::borrow::Cow;
 use std::io::{Read, Seek};
 
-use candle_core::quantized::{gguf_file, QMatMul, QStorage, QTensor};
+use candle_core::quantized::{gguf_file, QMatMul, QTensor};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::{Embedding, Module, RmsNorm};
 
-use super::layers::split_columns;
+use super::layers::QProjections;
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
@@ -105,87 +104,16 @@ impl GgufLlamaParams {
     }
 }
 
-/// Projections of one input (q/k/v, gate/up): one `QMatMul` over their
-/// weights' rows concatenated when they share a dtype, else one each.
-///
-/// GGML stores a weight row by row, each row in whole quantization blocks
-/// (its width is a multiple of the block size), so the rows of two
-/// weights of one dtype concatenate as raw bytes into one valid weight.
-#[derive(Clone, Debug)]
-enum Projections {
-    /// One matmul; the output width of each projection.
-    Fused(QMatMul, Vec<usize>),
-    /// One matmul per projection (their dtypes differ).
-    Separate(Vec<QMatMul>),
-}
-
-impl Projections {
-    /// Joins `weights` (`(out_i, in)` each, on the CPU as read from the
-    /// file) on `device`; dequantized to f32 first when `dequantize`.
-    fn new(weights: Vec<QTensor>, device: &Device, dequantize: bool) -> Result<Self> {
-        let Some(first) = weights.first() else {
-            bail!("{OP}: no projection to join");
-        };
-        let (dtype, in_dim) = (first.dtype(), first.shape().dims2()?.1);
-        let mut outs = Vec::with_capacity(weights.len());
-        for w in &weights {
-            let (out, k) = w.shape().dims2()?;
-            if k != in_dim {
-                bail!("{OP}: projections of one input have widths {in_dim} and {k}");
-            }
-            outs.push(out);
-        }
-        if dequantize {
-            let dense = weights
-                .iter()
-                .map(|w| w.dequantize(device))
-                .collect::<Result<Vec<_>>>()?;
-            return Ok(Self::Fused(QMatMul::Tensor(Tensor::cat(&dense, 0)?), outs));
-        }
-        if weights.iter().any(|w| w.dtype() != dtype) {
-            let on_device = weights
-                .iter()
-                .map(|w| {
-                    let storage = QStorage::from_data(w.data()?, device, w.dtype())?;
-                    QMatMul::from_qtensor(QTensor::new(storage, w.shape().clone())?)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            return Ok(Self::Separate(on_device));
-        }
-        let mut bytes =
-            Vec::with_capacity(weights.iter().map(QTensor::storage_size_in_bytes).sum());
-        for w in &weights {
-            bytes.extend_from_slice(&w.data()?);
-        }
-        let storage = QStorage::from_data(Cow::Owned(bytes), device, dtype)?;
-        let rows = outs.iter().sum::<usize>();
-        let joined = QTensor::new(storage, (rows, in_dim))?;
-        Ok(Self::Fused(QMatMul::from_qtensor(joined)?, outs))
-    }
-
-    /// `x` `(num_tokens, in)` -> the `N` projections, `(num_tokens, out_i)`.
-    fn forward<const N: usize>(&self, x: &Tensor) -> Result<[Tensor; N]> {
-        let parts = match self {
-            Self::Fused(w, outs) => split_columns(&w.forward(x)?, outs)?,
-            Self::Separate(ws) => ws.iter().map(|w| w.forward(x)).collect::<Result<_>>()?,
-        };
-        let n = parts.len();
-        parts
-            .try_into()
-            .map_err(|_| candle_core::Error::msg(format!("{OP}: {n} projections, not {N}")))
-    }
-}
-
 #[derive(Clone, Debug)]
 struct Layer {
     attn_norm: RmsNorm,
     /// `attn_q`, `attn_k`, `attn_v`.
-    wqkv: Projections,
+    wqkv: QProjections,
     wo: QMatMul,
     attn: Attention,
     ffn_norm: RmsNorm,
     /// `ffn_gate`, `ffn_up`.
-    w_gate_up: Projections,
+    w_gate_up: QProjections,
     w_down: QMatMul,
 }
 
@@ -285,12 +213,12 @@ impl QuantizedLlama {
             };
             let (wo, w_down) = (q("attn_output")?, q("ffn_down")?);
             // Joined on the host, then moved to the device.
-            let mut joined = |names: &[&str]| -> Result<Projections> {
+            let mut joined = |names: &[&str]| -> Result<QProjections> {
                 let weights = names
                     .iter()
                     .map(|n| ct.tensor(reader, &format!("blk.{i}.{n}.weight"), &Device::Cpu))
                     .collect::<Result<Vec<_>>>()?;
-                Projections::new(weights, device, dequantize)
+                QProjections::new(OP, weights, device, dequantize)
             };
             let wqkv = joined(&["attn_q", "attn_k", "attn_v"])?;
             let w_gate_up = joined(&["ffn_gate", "ffn_up"])?;
@@ -390,90 +318,5 @@ impl PagedModel for QuantizedLlama {
         }
         let x = select_rows(OP, &x, rows)?.apply(&self.norm)?;
         self.output.forward(&x)?.to_dtype(DType::F32)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use candle_core::quantized::GgmlDType;
-
-    use super::*;
-
-    /// Rows of weights of one dtype concatenate as raw bytes: the joined
-    /// matmul equals the separate ones, exactly for block formats;
-    /// weights of different dtypes stay separate.
-    #[test]
-    fn joined_projections_equal_separate_ones() -> Result<()> {
-        let dev = Device::Cpu;
-        let x = Tensor::randn(0f32, 1., (5, 64), &dev)?;
-        for dtype in [
-            GgmlDType::Q4_1,
-            GgmlDType::Q8_0,
-            GgmlDType::Q4K,
-            GgmlDType::F16,
-        ] {
-            let dense = [
-                Tensor::randn(0f32, 1., (48, 64), &dev)?,
-                Tensor::randn(0f32, 1., (16, 64), &dev)?,
-                Tensor::randn(0f32, 1., (16, 64), &dev)?,
-            ];
-            // A super-block format needs rows of 256.
-            let dense = if dtype == GgmlDType::Q4K {
-                dense.map(|t| t.repeat((1, 4)).expect("repeat"))
-            } else {
-                dense
-            };
-            let x = if dtype == GgmlDType::Q4K {
-                x.repeat((1, 4))?
-            } else {
-                x.clone()
-            };
-            let quantized = dense
-                .iter()
-                .map(|t| QTensor::quantize(t, dtype))
-                .collect::<Result<Vec<_>>>()?;
-            let separate = quantized
-                .iter()
-                .map(|q| {
-                    let storage = QStorage::from_data(q.data()?, &dev, q.dtype())?;
-                    QMatMul::from_qtensor(QTensor::new(storage, q.shape().clone())?)?.forward(&x)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let joined = Projections::new(quantized, &dev, false)?;
-            assert!(matches!(joined, Projections::Fused(..)), "{dtype:?}");
-            let [q, k, v] = joined.forward(&x)?;
-            for (a, b) in [q, k, v].iter().zip(&separate) {
-                assert_eq!(a.dims(), b.dims());
-                let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-                // Quantized dot products run row by row: bit for bit. F16
-                // weights become a dense f32 matmul, whose blocking follows
-                // the output width: float rounding.
-                let tol = if dtype == GgmlDType::F16 { 1e-5 } else { 0.0 };
-                assert!(diff <= tol, "{dtype:?}: {diff}");
-            }
-        }
-        let mixed = vec![
-            QTensor::quantize(&Tensor::randn(0f32, 1., (32, 64), &dev)?, GgmlDType::Q4_1)?,
-            QTensor::quantize(&Tensor::randn(0f32, 1., (32, 64), &dev)?, GgmlDType::Q8_0)?,
-        ];
-        let p = Projections::new(mixed, &dev, false)?;
-        assert!(matches!(p, Projections::Separate(ref v) if v.len() == 2));
-        let [a, b] = p.forward(&x)?;
-        assert_eq!((a.dims(), b.dims()), (&[5, 32][..], &[5, 32][..]));
-        let err = Projections::new(
-            vec![
-                QTensor::quantize(&Tensor::randn(0f32, 1., (32, 64), &dev)?, GgmlDType::Q8_0)?,
-                QTensor::quantize(&Tensor::randn(0f32, 1., (32, 96), &dev)?, GgmlDType::Q8_0)?,
-            ],
-            &dev,
-            false,
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(
-            err.starts_with("quantized-llama: projections of one input have widths 64 and 96"),
-            "{err}"
-        );
-        Ok(())
     }
 }
