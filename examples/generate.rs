@@ -79,8 +79,10 @@ pub struct Args {
     /// cpu or cuda (cuda needs --features cuda).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Activation dtype of safetensors models: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
+    /// Activation dtype: auto (f32 on the CPU, bf16 on CUDA), f32, bf16 or
+    /// f16. GGUF Llama models take bf16/f16 on CUDA only (or with
+    /// --dequantize); GGUF Gemma 3 runs in f32.
+    #[arg(long, default_value = "auto")]
     dtype: String,
     /// KV cache blocks per layer (overrides --kv-memory-mb and
     /// --gpu-memory-utilization).
@@ -216,11 +218,13 @@ fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Resu
             &ct, &mut file, dev, opts,
         )?),
         ("gemma3", false) => Box::new(QuantizedGemma3::from_gguf(&ct, &mut file, dev, opts)?),
-        (_, true) => Box::new(quantized_llama::QuantizedLlama::from_gguf_dequantized(
-            &ct, &mut file, dev, opts,
-        )?),
-        (_, false) => Box::new(quantized_llama::QuantizedLlama::from_gguf(
-            &ct, &mut file, dev, opts,
+        (_, dequantize) => Box::new(quantized_llama::QuantizedLlama::from_gguf_with_dtype(
+            &ct,
+            &mut file,
+            dev,
+            opts,
+            dequantize,
+            activation_dtype(&args.dtype, dev)?,
         )?),
     };
     Ok(Loaded {
@@ -249,12 +253,7 @@ fn load_dir(dir: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result
         .with_context(|| format!("reading {}/config.json", dir.display()))?;
     let json: serde_json::Value = serde_json::from_str(&config)?;
     let model_type = json["model_type"].as_str().unwrap_or("llama").to_string();
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        d => bail!("--dtype must be f32, bf16 or f16, got {d}"),
-    };
+    let dtype = activation_dtype(&args.dtype, dev)?;
     // SAFETY: the files are not modified while the model is loaded.
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&safetensors_files(dir)?, dtype, dev)? };
     let model: Box<dyn PagedModel> = match model_type.as_str() {
@@ -652,6 +651,17 @@ fn decode_path<M: PagedModel + ?Sized>(engine: &Engine<'_, M>) -> String {
         );
     }
     line
+}
+
+/// `--dtype`: `auto` is f32 on the CPU and bf16 on CUDA.
+fn activation_dtype(flag: &str, dev: &Device) -> Result<DType> {
+    Ok(match flag {
+        "auto" if dev.is_cuda() => DType::BF16,
+        "auto" | "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        d => bail!("--dtype must be auto, f32, bf16 or f16, got {d}"),
+    })
 }
 
 fn report(

@@ -128,6 +128,10 @@ struct Args {
     /// Dequantize GGUF weights to f32 on both sides.
     #[arg(long)]
     dequantize: bool,
+    /// Activations of the paged GGUF model: auto (f32 on the CPU, bf16 on
+    /// CUDA), f32, bf16 or f16. candle-transformers' side runs f32.
+    #[arg(long, default_value = "auto")]
+    gguf_dtype: String,
 
     /// Requests in the run.
     #[arg(long, default_value_t = 64)]
@@ -316,15 +320,22 @@ fn load_smollm2(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded>
         Ok((f, ct))
     };
     let (mut file, ct) = open()?;
-    let paged: Box<dyn PagedModel> = if args.dequantize {
-        Box::new(quantized_llama::QuantizedLlama::from_gguf_dequantized(
-            &ct, &mut file, dev, opts,
-        )?)
-    } else {
-        Box::new(quantized_llama::QuantizedLlama::from_gguf(
-            &ct, &mut file, dev, opts,
-        )?)
+    let gguf_dtype = match args.gguf_dtype.as_str() {
+        "auto" if dev.is_cuda() => DType::BF16,
+        "auto" | "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        d => bail!("--gguf-dtype must be auto, f32, bf16 or f16, got {d}"),
     };
+    let paged: Box<dyn PagedModel> =
+        Box::new(quantized_llama::QuantizedLlama::from_gguf_with_dtype(
+            &ct,
+            &mut file,
+            dev,
+            opts,
+            args.dequantize,
+            gguf_dtype,
+        )?);
     let reference: Option<Box<dyn Reference>> = if args.no_reference {
         None
     } else {

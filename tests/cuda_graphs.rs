@@ -6,10 +6,14 @@
 //!   through the engine: batches of 1, 3 and 6 sequences (buckets 1, 4 and
 //!   8, shrinking as requests finish) and prompts past 512 tokens (table
 //!   widths 32 and 64 blocks);
-//! * SmolLM2-135M (GGUF Q4_1; `CPA_SMOLLM2_GGUF` names the file, else
-//!   `scripts/fetch-smollm2.sh` fetches it);
+//! * SmolLM2-135M (GGUF Q4_1, f32 and bf16 activations, graphs captured on
+//!   demand or all before the first step; `CPA_SMOLLM2_GGUF` names the
+//!   file, else `scripts/fetch-smollm2.sh` fetches it);
 //! * a Llama-3-8B-shaped model with random bf16 weights (ignored by
 //!   default: it needs about 20 GB of GPU memory; run with `--ignored`).
+//!
+//! Built with the `cuda` feature only (CUDA graphs have no CPU path).
+#![cfg(feature = "cuda")]
 
 #[macro_use]
 mod common;
@@ -306,9 +310,21 @@ cuda_test! {
         // Graphs captured before any step (smallest buckets last), then
         // prefill chunks of varied prompts between the replays: the
         // quantized matmuls' scratch buffers must not move under the graphs.
+        // In bf16 activations (the runners' default on CUDA) too.
+        drop(model);
+        let mut file = std::fs::File::open(&path)?;
+        let content = gguf_file::Content::read(&mut file)?;
+        let model = quantized_llama::QuantizedLlama::from_gguf_with_dtype(
+            &content,
+            &mut file,
+            dev,
+            PagedOptions::default(),
+            false,
+            DType::BF16,
+        )?;
         let lens: Vec<usize> = (0..14).map(|i| 40 + 37 * i).collect();
         let prompts = random_prompts(9, &lens, 49152);
-        same_tokens("smollm2 pre-captured", &model, &prompts, 40, 2048, true)
+        same_tokens("smollm2 bf16 pre-captured", &model, &prompts, 40, 2048, true)
     }
 }
 

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
-use candle_core::{bail, Device, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::{Activation, Linear, Module, VarBuilder};
 
 /// Gemma's RMS norm: `x / sqrt(mean(x^2) + eps) * (1 + weight)` over the last
@@ -167,13 +167,13 @@ enum QProjectionKind {
 
 impl QProjections {
     /// Joins `weights` (`(out_i, in)` each, on the CPU as read from the
-    /// file) on `device`; dequantized to f32 first when `dequantize`.
+    /// file) on `device`; dequantized to `dense` first when it is given.
     /// `component` names the model in error messages.
     pub(crate) fn new(
         component: &'static str,
         weights: Vec<QTensor>,
         device: &Device,
-        dequantize: bool,
+        dense: Option<DType>,
     ) -> Result<Self> {
         let Some(first) = weights.first() else {
             bail!("{component}: no projection to join");
@@ -187,10 +187,10 @@ impl QProjections {
             }
             outs.push(out);
         }
-        let kind = if dequantize {
+        let kind = if let Some(dense_dtype) = dense {
             let dense = weights
                 .iter()
-                .map(|w| w.dequantize(device))
+                .map(|w| w.dequantize(device)?.to_dtype(dense_dtype))
                 .collect::<Result<Vec<_>>>()?;
             QProjectionKind::Fused(QMatMul::Tensor(Tensor::cat(&dense, 0)?), outs)
         } else if weights.iter().any(|w| w.dtype() != dtype) {
@@ -283,7 +283,7 @@ mod tests {
                     QMatMul::from_qtensor(QTensor::new(storage, q.shape().clone())?)?.forward(&x)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let joined = QProjections::new("quantized-llama", quantized, &dev, false)?;
+            let joined = QProjections::new("quantized-llama", quantized, &dev, None)?;
             assert!(joined.is_fused(), "{dtype:?}");
             let [q, k, v] = joined.forward(&x)?;
             for (a, b) in [q, k, v].iter().zip(&separate) {
@@ -300,7 +300,7 @@ mod tests {
             QTensor::quantize(&Tensor::randn(0f32, 1., (32, 64), &dev)?, GgmlDType::Q4_1)?,
             QTensor::quantize(&Tensor::randn(0f32, 1., (32, 64), &dev)?, GgmlDType::Q8_0)?,
         ];
-        let p = QProjections::new("quantized-llama", mixed, &dev, false)?;
+        let p = QProjections::new("quantized-llama", mixed, &dev, None)?;
         assert!(!p.is_fused());
         let [a, b] = p.forward(&x)?;
         assert_eq!((a.dims(), b.dims()), (&[5, 32][..], &[5, 32][..]));
@@ -311,7 +311,7 @@ mod tests {
                 QTensor::quantize(&Tensor::randn(0f32, 1., (32, 96), &dev)?, GgmlDType::Q8_0)?,
             ],
             &dev,
-            false,
+            None,
         )
         .unwrap_err()
         .to_string();

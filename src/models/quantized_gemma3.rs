@@ -349,7 +349,7 @@ impl QuantizedGemma3 {
                     .iter()
                     .map(|n| ct.tensor(reader, &format!("blk.{i}.{n}.weight"), &Device::Cpu))
                     .collect::<Result<Vec<_>>>()?;
-                QProjections::new(OP, weights, device, dequantize)
+                QProjections::new(OP, weights, device, dequantize.then_some(DType::F32))
             };
             let wqkv = joined(&["attn_q", "attn_k", "attn_v"])?;
             let w_gate_up = joined(&["ffn_gate", "ffn_up"])?;

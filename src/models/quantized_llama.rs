@@ -9,6 +9,12 @@
 //! gate/up: their rows are concatenated as stored when they share a GGML
 //! dtype (a step then quantizes each activation once and launches one
 //! matmul instead of three or two), and kept apart otherwise.
+//!
+//! Activations are f32 by default, as in candle-transformers. On CUDA,
+//! [`QuantizedLlama::from_gguf_with_dtype`] runs them in bf16 or f16 (the
+//! quantized matmuls take them as they are; norms, embeddings, rotary rows
+//! and the KV cache follow): the attention kernels then use tensor cores,
+//! and every activation moves half the bytes.
 
 use std::io::{Read, Seek};
 
@@ -125,22 +131,29 @@ impl Layer {
         cache: &LayerKvCache,
         metadata: &AttentionMetadata,
     ) -> Result<Tensor> {
-        let [q, k, v] = self.wqkv.forward(x)?;
+        let [q, k, v] = self.wqkv.forward(x)?.map(|t| t.to_dtype(x.dtype()));
+        let (q, k, v) = (q?, k?, v?);
         let q = rotary.apply(&q, self.attn.num_heads())?;
         let k = rotary.apply(&k, self.attn.num_kv_heads())?;
         let y = self.attn.forward(&q, &k, &v, cache, metadata)?;
-        self.wo.forward(&y)
+        // Quantized matmuls of more than 8 rows return f32 whatever their input.
+        self.wo.forward(&y)?.to_dtype(x.dtype())
     }
 
     fn mlp(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = self.w_gate_up.forward(x)?;
-        self.w_down.forward(&(candle_nn::ops::silu(&gate)? * up)?)
+        let [gate, up] = self.w_gate_up.forward(x)?.map(|t| t.to_dtype(x.dtype()));
+        let (gate, up) = (gate?, up?);
+        self.w_down
+            .forward(&(candle_nn::ops::silu(&gate)? * up)?)?
+            .to_dtype(x.dtype())
     }
 }
 
-/// A paged Llama with GGUF (quantized) weights; activations are f32.
+/// A paged Llama with GGUF (quantized) weights; activations are f32, or
+/// bf16/f16 on CUDA ([`QuantizedLlama::from_gguf_with_dtype`]).
 #[derive(Clone, Debug)]
 pub struct QuantizedLlama {
+    dtype: DType,
     tok_embeddings: Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
@@ -163,7 +176,32 @@ impl QuantizedLlama {
         device: &Device,
         options: PagedOptions,
     ) -> Result<Self> {
-        Self::load(ct, reader, device, options, false)
+        Self::load(ct, reader, device, options, false, DType::F32)
+    }
+
+    /// Like [`from_gguf`](Self::from_gguf) (`dequantize` false) or
+    /// [`from_gguf_dequantized`](Self::from_gguf_dequantized) (true), with
+    /// activations in `dtype`: f32, or on CUDA bf16 or f16 (candle's CPU
+    /// quantized matmuls take f32 only). Embeddings, norm weights, rotary
+    /// rows, dequantized weights and the KV cache (unless fp8) are in
+    /// `dtype`; the logits are f32.
+    pub fn from_gguf_with_dtype<R: Read + Seek>(
+        ct: &gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+        options: PagedOptions,
+        dequantize: bool,
+        dtype: DType,
+    ) -> Result<Self> {
+        match dtype {
+            DType::F32 => {}
+            DType::BF16 | DType::F16 if device.is_cuda() || dequantize => {}
+            DType::BF16 | DType::F16 => bail!(
+                "{OP}: {dtype:?} activations need a CUDA device or dequantized weights (candle's CPU quantized matmuls take f32)"
+            ),
+            _ => bail!("{OP}: activations must be f32, bf16 or f16, got {dtype:?}"),
+        }
+        Self::load(ct, reader, device, options, dequantize, dtype)
     }
 
     /// Like [`from_gguf`](Self::from_gguf), with every weight dequantized to
@@ -176,7 +214,7 @@ impl QuantizedLlama {
         device: &Device,
         options: PagedOptions,
     ) -> Result<Self> {
-        Self::load(ct, reader, device, options, true)
+        Self::load(ct, reader, device, options, true, DType::F32)
     }
 
     fn load<R: Read + Seek>(
@@ -185,10 +223,11 @@ impl QuantizedLlama {
         device: &Device,
         options: PagedOptions,
         dequantize: bool,
+        dtype: DType,
     ) -> Result<Self> {
         let matmul = |t: QTensor| -> Result<QMatMul> {
             if dequantize {
-                Ok(QMatMul::Tensor(t.dequantize(device)?))
+                Ok(QMatMul::Tensor(t.dequantize(device)?.to_dtype(dtype)?))
             } else {
                 QMatMul::from_qtensor(t)
             }
@@ -197,10 +236,10 @@ impl QuantizedLlama {
         let head_dim = p.head_dim();
         let norm = |name: &str, r: &mut R| -> Result<RmsNorm> {
             let w = ct.tensor(r, name, device)?.dequantize(device)?;
-            Ok(RmsNorm::new(w, p.rms_norm_eps))
+            Ok(RmsNorm::new(w.to_dtype(dtype)?, p.rms_norm_eps))
         };
         let embd_q = ct.tensor(reader, "token_embd.weight", device)?;
-        let embd = embd_q.dequantize(device)?;
+        let embd = embd_q.dequantize(device)?.to_dtype(dtype)?;
         let vocab_size = embd.dim(0)?;
         let output = match ct.tensor(reader, "output.weight", device) {
             Ok(t) => t,
@@ -218,7 +257,7 @@ impl QuantizedLlama {
                     .iter()
                     .map(|n| ct.tensor(reader, &format!("blk.{i}.{n}.weight"), &Device::Cpu))
                     .collect::<Result<Vec<_>>>()?;
-                QProjections::new(OP, weights, device, dequantize)
+                QProjections::new(OP, weights, device, dequantize.then_some(dtype))
             };
             let wqkv = joined(&["attn_q", "attn_k", "attn_v"])?;
             let w_gate_up = joined(&["ffn_gate", "ffn_up"])?;
@@ -254,8 +293,9 @@ impl QuantizedLlama {
             );
         }
         let context = p.context_length.unwrap_or(DEFAULT_CONTEXT_LENGTH);
-        let rotary = RotaryEmbedding::new(&inv_freq, context, true, DType::F32, device)?;
+        let rotary = RotaryEmbedding::new(&inv_freq, context, true, dtype, device)?;
         Ok(Self {
+            dtype,
             tok_embeddings: Embedding::new(embd, p.hidden_size),
             layers,
             norm: norm("output_norm.weight", reader)?,
@@ -291,7 +331,7 @@ impl PagedModel for QuantizedLlama {
     }
 
     fn dtype(&self) -> DType {
-        DType::F32
+        self.dtype
     }
 
     fn forward(

@@ -1,6 +1,7 @@
 //! candle-transformers 0.11.1's `quantized_gemma3` (its
 //! `src/models/quantized_gemma3.rs`, without the tracing spans), with
 //! switchable patches towards Hugging Face transformers' Gemma 3.
+//! Copied from candle-transformers 0.11.1 (MIT OR Apache-2.0, Copyright the candle authors); only the marked patches and the dropped tracing differ.
 //!
 //! With [`Patches::NONE`] the code computes what the published model does
 //! (the tests check this logit for logit against

@@ -358,7 +358,10 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             Ok(ready)
         }
         #[cfg(not(feature = "cuda"))]
-        Ok(0)
+        {
+            let _ = max_context;
+            Ok(0)
+        }
     }
 
     /// Why the most recent CUDA-graph capture failed (its shape then runs
