@@ -505,6 +505,7 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
                         seed: args.seed.wrapping_add(i as u64),
                         max_tokens: args.max_tokens,
                         stop_tokens: loaded.eos.clone(),
+                        ..Default::default()
                     },
                 })
                 .map(|()| n)
