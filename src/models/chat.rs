@@ -113,7 +113,9 @@ fn strftime(format: &str, unix_seconds: i64) -> std::result::Result<String, mini
     let day_of_year = days - days_from_civil(y, 1, 1) + 1;
     // 1970-01-01 was a Thursday (index 3, Monday = 0).
     let weekday = (days + 3).rem_euclid(7) as usize;
-    let month = MONTHS[(m - 1) as usize]; // m is in 1..=12
+    // m is in 1..=12 (civil_from_days); weekday is in 0..7 (rem_euclid);
+    // the month and weekday names are ASCII, so [..3] cuts at a character.
+    let month = MONTHS[(m - 1) as usize];
     let mut out = String::new();
     let mut chars = format.chars();
     while let Some(c) = chars.next() {
@@ -267,6 +269,8 @@ impl ChatTemplate {
         }
         pieces.push(Piece::Text(rest));
         let mut segments = Vec::new();
+        // `pos` only moves past text of `full` that was matched, so it stays
+        // a character boundary of `full`, at most its length.
         let mut pos = 0;
         for (i, piece) in pieces.iter().enumerate() {
             match *piece {

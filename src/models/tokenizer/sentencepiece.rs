@@ -107,6 +107,7 @@ pub(super) fn tokenizer(ct: &gguf_file::Content, vocab: &GgufVocab) -> Result<To
         .byte_fallback(true)
         .fuse_unk(true);
     if let Some(unk) = unk {
+        // token_id checked unk < the number of tokens.
         builder = builder.unk_token(vocab.tokens[unk as usize].clone());
     }
     let bpe = builder
