@@ -8,7 +8,8 @@
 //!
 //! Without a model path, SmolLM2-135M-Instruct is fetched by
 //! `scripts/fetch-smollm2.sh`. One prompt streams its tokens; several run
-//! through the continuous-batching engine and print each output and the
+//! through the continuous-batching engine (on a terminal, a progress bar
+//! shows the prompts done and the tokens/s) and print each output and the
 //! aggregate throughput.
 //!
 //! Prompts go through the checkpoint's chat template (GGUF
@@ -637,7 +638,28 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         }
         done
     } else {
-        engine.run(|_| {})
+        // Per-prompt progress on stderr (drawn only on a terminal): prompts
+        // done, tokens generated, tokens/s.
+        let bar = indicatif::ProgressBar::new(prompts.len() as u64);
+        bar.set_style(indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} prompts done, {msg} [{elapsed}]",
+        )?);
+        let mut generated = 0usize;
+        let done = engine.run(|ev| {
+            generated += 1;
+            if ev.finished.is_some() {
+                bar.inc(1);
+            }
+            if generated.is_multiple_of(16) || ev.finished.is_some() {
+                let secs = start.elapsed().as_secs_f64().max(1e-9);
+                bar.set_message(format!(
+                    "{generated} tokens, {:.1} tokens/s",
+                    generated as f64 / secs
+                ));
+            }
+        });
+        bar.finish_and_clear();
+        done
     };
     let (completions, failure) = match result {
         Ok(done) => (done, None),
