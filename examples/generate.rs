@@ -147,10 +147,14 @@ pub struct Args {
     /// Sequences running at once.
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
-    /// Dequantize GGUF weights to f32 at load time (dense matmuls: faster
-    /// on CPU for Q4_1, whose quantized dot products have no SIMD kernel).
+    /// Dequantize GGUF weights to f32 at load time (dense matmuls). On the
+    /// CPU, Q4_0/Q4_1 weights are dequantized by default when the f32
+    /// weights fit in half the memory available.
     #[arg(long)]
     dequantize: bool,
+    /// Keep Q4_0/Q4_1 GGUF weights quantized on the CPU.
+    #[arg(long, conflicts_with = "dequantize")]
+    keep_quantized: bool,
     /// A tokenizer.json to use instead of the model's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
@@ -211,7 +215,11 @@ fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Resu
         .and_then(|v| v.to_string().ok())
         .cloned()
         .unwrap_or_else(|| path.display().to_string());
-    let model = if args.dequantize {
+    let (dequantize, why) = dequantize_gguf(&ct, args, dev);
+    if let Some(why) = why {
+        eprintln!("note: {why}");
+    }
+    let model = if dequantize {
         quantized_llama::QuantizedLlama::from_gguf_dequantized(&ct, &mut file, dev, opts)?
     } else {
         quantized_llama::QuantizedLlama::from_gguf(&ct, &mut file, dev, opts)?
@@ -222,6 +230,58 @@ fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Resu
         tokenizer,
         name,
     })
+}
+
+/// Whether the GGUF weights are dequantized to f32 at load time, and a note
+/// saying why when it was not asked for: with `--dequantize`; by default on
+/// the CPU when the file has Q4_0 or Q4_1 weights (candle's CPU matmuls of
+/// these are quantized dot products, slower than f32 matmuls for prompts and
+/// batches, and SmolLM2's Q4_1 weights answer off-topic with their 8-bit
+/// activation rounding) and the f32 weights take at most half the memory
+/// available, unless `--keep-quantized`.
+pub fn dequantize_gguf(
+    ct: &gguf_file::Content,
+    args: &Args,
+    dev: &Device,
+) -> (bool, Option<String>) {
+    use candle_core::quantized::GgmlDType;
+    if args.dequantize {
+        return (true, None);
+    }
+    if args.keep_quantized || !dev.is_cpu() {
+        return (false, None);
+    }
+    let q4 = ct
+        .tensor_infos
+        .values()
+        .find(|t| matches!(t.ggml_dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1));
+    let Some(q4) = q4 else {
+        return (false, None);
+    };
+    let f32_bytes: usize = ct
+        .tensor_infos
+        .values()
+        .map(|t| t.shape.elem_count().saturating_mul(4))
+        .fold(0, usize::saturating_add);
+    match host_memory_available() {
+        Some(avail) if f32_bytes > avail / 2 => (
+            false,
+            Some(format!(
+                "keeping the {:?} weights quantized: as f32 they would take {:.0} MiB, more than half the {:.0} MiB available",
+                q4.ggml_dtype,
+                mib(f32_bytes),
+                mib(avail)
+            )),
+        ),
+        _ => (
+            true,
+            Some(format!(
+                "dequantizing the {:?} weights to f32 ({:.0} MiB): faster on the CPU (--keep-quantized keeps them)",
+                q4.ggml_dtype,
+                mib(f32_bytes)
+            )),
+        ),
+    }
 }
 
 fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {

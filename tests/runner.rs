@@ -306,3 +306,34 @@ fn fp8_cache_top_k_and_repeat_penalty_run() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn q4_gguf_weights_are_dequantized_on_the_cpu_unless_kept() -> Result<()> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fetch-smollm2.sh");
+    let out = std::process::Command::new("bash").arg(script).output()?;
+    ensure!(out.status.success(), "{script} failed");
+    let path = String::from_utf8(out.stdout)?.trim().to_string();
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut std::fs::File::open(&path)?)?;
+    let args = |flags: &[&str]| {
+        generate::Args::try_parse_from(std::iter::once("generate").chain(flags.iter().copied()))
+    };
+    let cpu = candle_core::Device::Cpu;
+    let (yes, note) = generate::dequantize_gguf(&ct, &args(&[])?, &cpu);
+    let note = note.unwrap_or_default();
+    ensure!(
+        yes && note.starts_with("dequantizing the Q4_1 weights to f32 (")
+            && note.ends_with(" MiB): faster on the CPU (--keep-quantized keeps them)"),
+        "{note}"
+    );
+    ensure!(generate::dequantize_gguf(&ct, &args(&["--keep-quantized"])?, &cpu) == (false, None));
+    ensure!(generate::dequantize_gguf(&ct, &args(&["--dequantize"])?, &cpu) == (true, None));
+    let err = args(&["--dequantize", "--keep-quantized"])
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.contains("'--dequantize' cannot be used with '--keep-quantized'"),
+        "{err}"
+    );
+    Ok(())
+}
