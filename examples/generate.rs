@@ -8,9 +8,21 @@
 //!
 //! Without a model path, SmolLM2-135M-Instruct is fetched by
 //! `scripts/fetch-smollm2.sh`; `gemma3-270m` in its place fetches Gemma 3
-//! 270M through `scripts/fetch-gemma3.sh`. One prompt streams its tokens; several run
-//! through the continuous-batching engine and print each output and the
+//! 270M through `scripts/fetch-gemma3.sh`. One prompt streams its tokens;
+//! several run through the continuous-batching engine (on a terminal, a
+//! progress bar shows the prompts done and the tokens/s) and print each
+//! output and the
 //! aggregate throughput.
+//!
+//! Prompts go through the checkpoint's chat template (GGUF
+//! `tokenizer.chat_template`, or a directory's `tokenizer_config.json`),
+//! rendered with `minijinja`, with `--system` as the system message; the
+//! text of the prompt is encoded as plain text, so control-token markers it
+//! writes (`<|im_start|>`, `<start_of_turn>`) never become control tokens.
+//! `--raw` sends a prompt as written, markers included (the way to send an
+//! already templated prompt), with BOS when the checkpoint asks for it; a
+//! checkpoint without a template sends prompts raw too, unless
+//! `--chat-template FILE` gives one.
 //!
 //! The KV cache takes `--num-blocks` blocks per layer, or what fits in
 //! `--kv-memory-mb`; by default, on CUDA, what `--gpu-memory-utilization`
@@ -31,17 +43,17 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use candle_paged_attention::models::chat::{self, ChatMessage};
+use candle_paged_attention::models::chat::{self, ChatMessage, ChatTemplate};
 use candle_paged_attention::models::generation::{
     Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
-use candle_paged_attention::models::tokenizer::{self, TextStream};
+use candle_paged_attention::models::tokenizer::{self, ModelTokenizer, TextStream};
 use candle_paged_attention::models::{
     gemma2, gemma3, llama, quantized_llama, CacheConfig, CachePlan, CacheSizing, PagedKvCache,
     PagedModel, PagedOptions, DEFAULT_CPU_KV_BYTES,
 };
-use candle_paged_attention::Attention;
+use candle_paged_attention::{Attention, KvCacheDtype, KvScales};
 use clap::Parser;
 use tokenizers::Tokenizer;
 
@@ -61,9 +73,22 @@ pub struct Args {
     /// no prompt is an error).
     #[arg(long)]
     prompts_file: Option<PathBuf>,
-    /// Send prompts as they are, without the chat template.
+    /// Send prompts as they are, without the chat template: control-token
+    /// markers they write (`<|im_start|>`) are control tokens, and BOS is
+    /// added when the checkpoint asks for it. The way to send an already
+    /// templated prompt.
     #[arg(long)]
     raw: bool,
+    /// A system message, before each prompt in the chat template.
+    #[arg(long)]
+    system: Option<String>,
+    /// A Jinja chat template file to use instead of the checkpoint's.
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
+    /// Echo each full prompt (chat template included) and its token count;
+    /// otherwise prompts longer than 100 characters are shortened.
+    #[arg(long)]
+    verbose: bool,
     /// New tokens per prompt at most.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -73,6 +98,17 @@ pub struct Args {
     /// Nucleus sampling threshold (with a temperature).
     #[arg(long)]
     top_p: Option<f64>,
+    /// Sample among the k most likely tokens only (with a temperature).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Penalty of the tokens among the last --repeat-last-n ones (prompt
+    /// included): positive logits are divided by it, negative ones
+    /// multiplied; 1 is off. Applies to greedy decoding too.
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Tokens the repeat penalty looks back over.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
     /// Random seed (prompt i uses seed + i).
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
@@ -111,34 +147,34 @@ pub struct Args {
     /// Tokens per cache block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// KV cache element type: auto (the model's) or fp8 (F8E4M3 with
+    /// scales 1, half the memory of bf16).
+    #[arg(long, default_value = "auto")]
+    kv_cache_dtype: String,
     /// Token budget of one step: prompts are prefilled in chunks that fit it.
     #[arg(long, default_value_t = 256)]
     chunk_tokens: usize,
     /// Sequences running at once.
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
-    /// Dequantize GGUF weights to f32 at load time (dense matmuls: faster
-    /// on CPU for Q4_1, whose quantized dot products have no SIMD kernel).
+    /// Dequantize GGUF weights to f32 at load time (dense matmuls). On the
+    /// CPU, Q4_0/Q4_1 weights are dequantized by default when the f32
+    /// weights fit in half the memory available.
     #[arg(long)]
     dequantize: bool,
+    /// Keep Q4_0/Q4_1 GGUF weights quantized on the CPU.
+    #[arg(long, conflicts_with = "dequantize")]
+    keep_quantized: bool,
     /// A tokenizer.json to use instead of the model's.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
 }
 
-/// The chat format of a model family.
-#[derive(Clone, Copy, Debug)]
-enum PromptFormat {
-    ChatMl { smollm2: bool },
-    Gemma,
-    Raw,
-}
-
 struct Loaded {
     model: Box<dyn PagedModel>,
-    tokenizer: Tokenizer,
-    chat: PromptFormat,
-    eos: Vec<u32>,
+    tokenizer: ModelTokenizer,
+    /// The chat template (`--chat-template` or the checkpoint's), if any.
+    template: Option<ChatTemplate>,
     name: String,
 }
 
@@ -158,62 +194,51 @@ fn fetch(script: &str) -> Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
 }
 
-fn stop_tokens(tok: &Tokenizer, extra: Option<u32>) -> Vec<u32> {
-    let mut ids: Vec<u32> = [
-        "<|im_end|>",
-        "<|endoftext|>",
-        "<end_of_turn>",
-        "<eos>",
-        "</s>",
-        "<|eot_id|>",
-    ]
-    .iter()
-    .filter_map(|t| tok.token_to_id(t))
-    .collect();
-    ids.extend(extra);
-    ids.sort_unstable();
-    ids.dedup();
-    ids
-}
-
-fn chat_of(tok: &Tokenizer, smollm2: bool) -> PromptFormat {
-    if tok.token_to_id("<|im_start|>").is_some() {
-        PromptFormat::ChatMl { smollm2 }
-    } else if tok.token_to_id("<start_of_turn>").is_some() {
-        PromptFormat::Gemma
-    } else {
-        PromptFormat::Raw
-    }
+/// The chat template of `--chat-template` or the checkpoint, if any, with
+/// the checkpoint's BOS/EOS texts.
+fn chat_template(args: &Args, tok: &ModelTokenizer) -> Result<Option<ChatTemplate>> {
+    let source = match &args.chat_template {
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("--chat-template: reading {}", p.display()))?,
+        ),
+        None => tok.chat_template.clone(),
+    };
+    let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or_default();
+    source
+        .map(|s| {
+            ChatTemplate::new(&s, &text(tok.special.bos), &text(tok.special.eos))
+                .context("the chat template (--chat-template or the checkpoint's)")
+        })
+        .transpose()
 }
 
 fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
     let mut file =
         std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let ct = gguf_file::Content::read(&mut file)?;
-    let tokenizer = match &args.tokenizer {
-        Some(p) => Tokenizer::from_file(p).map_err(anyhow::Error::msg)?,
-        None => tokenizer::tokenizer_from_gguf(&ct)?,
-    };
-    let template = ct
-        .metadata
-        .get("tokenizer.chat_template")
-        .and_then(|v| v.to_string().ok())
-        .cloned()
-        .unwrap_or_default();
+    let mut tokenizer = ModelTokenizer::from_gguf(&ct)?;
+    if let Some(p) = &args.tokenizer {
+        tokenizer.tokenizer = Tokenizer::from_file(p)
+            .map_err(|e| anyhow::anyhow!("--tokenizer: loading {}: {e}", p.display()))?;
+    }
     let name = ct
         .metadata
         .get("general.name")
         .and_then(|v| v.to_string().ok())
         .cloned()
         .unwrap_or_else(|| path.display().to_string());
-    let eos = stop_tokens(&tokenizer, tokenizer::gguf_eos_token(&ct));
+    let (dequantize, why) = dequantize_gguf(&ct, args, dev);
+    if let Some(why) = why {
+        eprintln!("note: {why}");
+    }
     let arch = ct
         .metadata
         .get("general.architecture")
         .and_then(|v| v.to_string().ok())
         .cloned()
         .unwrap_or_default();
-    let model: Box<dyn PagedModel> = match (arch.as_str(), args.dequantize) {
+    let model: Box<dyn PagedModel> = match (arch.as_str(), dequantize) {
         ("gemma3", true) => Box::new(QuantizedGemma3::from_gguf_dequantized(
             &ct, &mut file, dev, opts,
         )?),
@@ -229,11 +254,62 @@ fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Resu
     };
     Ok(Loaded {
         model,
-        chat: chat_of(&tokenizer, template.contains("SmolLM")),
+        template: chat_template(args, &tokenizer)?,
         tokenizer,
-        eos,
         name,
     })
+}
+
+/// Whether the GGUF weights are dequantized to f32 at load time, and a note
+/// saying why when it was not asked for: with `--dequantize`; by default on
+/// the CPU when the file has Q4_0 or Q4_1 weights (candle's CPU matmuls of
+/// these are quantized dot products, slower than f32 matmuls for prompts and
+/// batches, and SmolLM2's Q4_1 weights answer off-topic with their 8-bit
+/// activation rounding) and the f32 weights take at most half the memory
+/// available, unless `--keep-quantized`.
+pub fn dequantize_gguf(
+    ct: &gguf_file::Content,
+    args: &Args,
+    dev: &Device,
+) -> (bool, Option<String>) {
+    use candle_core::quantized::GgmlDType;
+    if args.dequantize {
+        return (true, None);
+    }
+    if args.keep_quantized || !dev.is_cpu() {
+        return (false, None);
+    }
+    let q4 = ct
+        .tensor_infos
+        .values()
+        .find(|t| matches!(t.ggml_dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1));
+    let Some(q4) = q4 else {
+        return (false, None);
+    };
+    let f32_bytes: usize = ct
+        .tensor_infos
+        .values()
+        .map(|t| t.shape.elem_count().saturating_mul(4))
+        .fold(0, usize::saturating_add);
+    match host_memory_available() {
+        Some(avail) if f32_bytes > avail / 2 => (
+            false,
+            Some(format!(
+                "keeping the {:?} weights quantized: as f32 they would take {:.0} MiB, more than half the {:.0} MiB available",
+                q4.ggml_dtype,
+                mib(f32_bytes),
+                mib(avail)
+            )),
+        ),
+        _ => (
+            true,
+            Some(format!(
+                "dequantizing the {:?} weights to f32 ({:.0} MiB): faster on the CPU (--keep-quantized keeps them)",
+                q4.ggml_dtype,
+                mib(f32_bytes)
+            )),
+        ),
+    }
 }
 
 fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
@@ -273,33 +349,49 @@ fn load_dir(dir: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result
         )?),
         t => bail!("model_type {t} is not supported (llama, gemma2, gemma3_text)"),
     };
-    let tok_path = args
-        .tokenizer
-        .clone()
-        .unwrap_or_else(|| dir.join("tokenizer.json"));
-    let tokenizer = Tokenizer::from_file(&tok_path)
-        .map_err(|e| anyhow::anyhow!("loading {}: {e}", tok_path.display()))?;
-    let eos = stop_tokens(&tokenizer, json["eos_token_id"].as_u64().map(|v| v as u32));
+    let tokenizer = ModelTokenizer::from_dir(dir, args.tokenizer.as_deref())?;
     Ok(Loaded {
         model,
-        chat: chat_of(&tokenizer, false),
+        template: chat_template(args, &tokenizer)?,
         tokenizer,
-        eos,
         name: format!("{} ({model_type})", dir.display()),
     })
 }
 
-fn format_prompt(chat: PromptFormat, raw: bool, prompt: &str) -> String {
-    match (raw, chat) {
-        (true, _) | (_, PromptFormat::Raw) => prompt.to_string(),
-        (_, PromptFormat::ChatMl { smollm2: true }) => chat::smollm2_chat_prompt(prompt),
-        (_, PromptFormat::ChatMl { smollm2: false }) => {
-            chat::chatml_prompt(&[ChatMessage::new("user", prompt)], None, true)
-        }
-        (_, PromptFormat::Gemma) => {
-            format!("<bos><start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n")
-        }
+/// A prompt's token ids and its full text: through the chat template
+/// (`--system` first), the prompt's text encoded as plain text; or, with
+/// `--raw` or without a template, as written with BOS as the checkpoint
+/// asks.
+fn encode_prompt(
+    tok: &mut ModelTokenizer,
+    template: Option<&ChatTemplate>,
+    args: &Args,
+    prompt: &str,
+) -> Result<(Vec<u32>, String)> {
+    let template = match (template, args.raw) {
+        (Some(t), false) => t,
+        _ => return Ok((tok.encode_raw(prompt)?, prompt.to_string())),
+    };
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(ChatMessage::new("system", system));
     }
+    messages.push(ChatMessage::new("user", prompt));
+    let segments = template.render_segments(&messages, true)?;
+    let ids = tok.encode_segments(&segments)?;
+    Ok((ids, chat::segments_text(&segments)))
+}
+
+/// `prompt` for echoing: whole with `--verbose` or when short, else its
+/// first 100 characters.
+fn echo(prompt: &str, verbose: bool) -> String {
+    const SHOWN: usize = 100;
+    let n = prompt.chars().count();
+    if verbose || n <= SHOWN {
+        return prompt.to_string();
+    }
+    let head: String = prompt.chars().take(SHOWN).collect();
+    format!("{head}... ({n} characters; --verbose shows them all)")
 }
 
 fn mib(bytes: usize) -> f64 {
@@ -369,6 +461,26 @@ fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
         ..SamplingParams::greedy(1)
     };
     top_p.validate().context("--top-p")?;
+    let top_k = SamplingParams {
+        top_k: args.top_k,
+        ..SamplingParams::greedy(1)
+    };
+    top_k.validate().context("--top-k")?;
+    let penalty = SamplingParams {
+        repeat_penalty: args.repeat_penalty,
+        ..SamplingParams::greedy(1)
+    };
+    penalty.validate().context("--repeat-penalty")?;
+    kv_cache_dtype(&args.kv_cache_dtype)?;
+    if let Some(p) = &args.chat_template {
+        std::fs::metadata(p)
+            .with_context(|| format!("--chat-template: reading {}", p.display()))?;
+    }
+    if args.raw && args.system.is_some() {
+        bail!(
+            "--system cannot be combined with --raw (a raw prompt goes without the chat template)"
+        );
+    }
     if args.seed.checked_add(num_prompts as u64 - 1).is_none() {
         bail!(
             "--seed {}: prompt i uses seed + i, which overflows u64 for {num_prompts} prompts",
@@ -379,6 +491,16 @@ fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
         bail!("--prefix-caching cannot be combined with --window-blocks");
     }
     Ok(())
+}
+
+/// The cache element type of `--kv-cache-dtype`.
+fn kv_cache_dtype(flag: &str) -> Result<KvCacheDtype> {
+    Ok(match flag {
+        "auto" => KvCacheDtype::Auto,
+        // Unit scales, as vLLM's fp8 cache without calibrated scales.
+        "fp8" | "fp8_e4m3" => KvCacheDtype::Fp8E4M3(KvScales::default()),
+        d => bail!("--kv-cache-dtype must be auto or fp8, got {d}"),
+    })
 }
 
 /// Memory the host can give the KV cache: `MemAvailable` of /proc/meminfo
@@ -462,14 +584,28 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
     };
     let opts = PagedOptions {
         block_size: args.block_size,
-        ..Default::default()
+        kv_cache_dtype: kv_cache_dtype(&args.kv_cache_dtype)?,
     };
     let start = Instant::now();
-    let loaded = if path.is_dir() {
+    let mut loaded = if path.is_dir() {
         load_dir(&path, &args, &dev, opts)?
     } else {
         load_gguf(&path, &args, &dev, opts)?
     };
+    if loaded.template.is_none() {
+        if args.system.is_some() {
+            bail!(
+                "--system needs a chat template, and {} has none (pass --chat-template FILE)",
+                loaded.name
+            );
+        }
+        if !args.raw {
+            eprintln!(
+                "note: {} has no chat template: prompts are sent as written (--chat-template FILE gives one)",
+                loaded.name
+            );
+        }
+    }
     let model = loaded.model.as_ref();
     let layers: Vec<&Attention> = model.attention_layers();
     let (plan, sized_by) = cache_plan(&args, model, &dev)?;
@@ -482,14 +618,15 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
     let cache = PagedKvCache::new(&layers, cache_config, model.dtype(), &dev)
         .with_context(|| format!("allocating the KV cache of {num_blocks} blocks per layer ({sized_by}, --block-size)"))?;
     eprintln!(
-        "model {} loaded in {:.2?} on {:?}; context {} tokens; KV cache: {} layers x {num_blocks} blocks of {} tokens = {:.1} MiB, sized by {sized_by}",
+        "model {} loaded in {:.2?} on {:?}; context {} tokens; KV cache: {} layers x {num_blocks} blocks of {} tokens = {:.1} MiB ({}), sized by {sized_by}",
         loaded.name,
         start.elapsed(),
         dev,
         model.max_seq_len(),
         layers.len(),
         args.block_size,
-        mib(cache.memory_bytes())
+        mib(cache.memory_bytes()),
+        args.kv_cache_dtype
     );
     if let Some(p) = plan.profile {
         eprintln!(
@@ -514,25 +651,39 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
     .with_cuda_graphs(!args.no_cuda_graph);
     let mut outcomes: Vec<Outcome> = Vec::with_capacity(prompts.len());
     let mut prompt_tokens = 0;
+    let markers = loaded.tokenizer.special_texts();
+    let stop_tokens = loaded.tokenizer.special.stop.clone();
     for (i, p) in prompts.iter().enumerate() {
-        let text = format_prompt(loaded.chat, args.raw, p);
-        let added = tokenizer::encode(&loaded.tokenizer, &text).and_then(|ids| {
-            let n = ids.len();
-            engine
-                .add_request(Request {
-                    id: i as u64,
-                    prompt: ids,
-                    params: SamplingParams {
-                        temperature: args.temperature,
-                        top_p: args.top_p,
-                        // check_flags made sure seed + i fits.
-                        seed: args.seed.wrapping_add(i as u64),
-                        max_tokens: args.max_tokens,
-                        stop_tokens: loaded.eos.clone(),
-                    },
-                })
-                .map(|()| n)
-        });
+        if loaded.template.is_some() && !args.raw {
+            if let Some(m) = markers.iter().find(|m| p.contains(m.as_str())) {
+                eprintln!("note: prompt {i} writes the control token {m}; inside the chat template it is encoded as plain text (--raw sends a templated prompt as written)");
+            }
+        }
+        let added = encode_prompt(&mut loaded.tokenizer, loaded.template.as_ref(), &args, p)
+            .and_then(|(ids, text)| {
+                let n = ids.len();
+                if args.verbose {
+                    writeln!(out, "[prompt {i}: {n} tokens]\n{text}")?;
+                }
+                engine
+                    .add_request(Request {
+                        id: i as u64,
+                        prompt: ids,
+                        params: SamplingParams {
+                            temperature: args.temperature,
+                            top_k: args.top_k,
+                            top_p: args.top_p,
+                            repeat_penalty: args.repeat_penalty,
+                            repeat_last_n: args.repeat_last_n,
+                            // check_flags made sure seed + i fits.
+                            seed: args.seed.wrapping_add(i as u64),
+                            max_tokens: args.max_tokens,
+                            stop_tokens: stop_tokens.clone(),
+                        },
+                    })
+                    .map(|()| n)
+                    .map_err(anyhow::Error::from)
+            });
         outcomes.push(match added {
             Ok(n) => {
                 prompt_tokens += n;
@@ -542,13 +693,13 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         });
     }
     let start = Instant::now();
-    let tok = &loaded.tokenizer;
+    let tok = &loaded.tokenizer.tokenizer;
     let result = if prompts.len() == 1 {
-        writeln!(out, "> {}", prompts[0])?;
+        writeln!(out, "> {}", echo(&prompts[0], args.verbose))?;
         let mut stream = TextStream::new();
         let mut err = None;
         let done = engine.run(|ev| {
-            if loaded.eos.contains(&ev.token) || err.is_some() {
+            if stop_tokens.contains(&ev.token) || err.is_some() {
                 return;
             }
             match stream.push(tok, ev.token) {
@@ -572,7 +723,28 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         }
         done
     } else {
-        engine.run(|_| {})
+        // Per-prompt progress on stderr (drawn only on a terminal): prompts
+        // done, tokens generated, tokens/s.
+        let bar = indicatif::ProgressBar::new(prompts.len() as u64);
+        bar.set_style(indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} prompts done, {msg} [{elapsed}]",
+        )?);
+        let mut generated = 0usize;
+        let done = engine.run(|ev| {
+            generated += 1;
+            if ev.finished.is_some() {
+                bar.inc(1);
+            }
+            if generated.is_multiple_of(16) || ev.finished.is_some() {
+                let secs = start.elapsed().as_secs_f64().max(1e-9);
+                bar.set_message(format!(
+                    "{generated} tokens, {:.1} tokens/s",
+                    generated as f64 / secs
+                ));
+            }
+        });
+        bar.finish_and_clear();
+        done
     };
     let (completions, failure) = match result {
         Ok(done) => (done, None),
@@ -592,7 +764,7 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
             Outcome::Unfinished => Some(format!("prompt {i}: unfinished when generation failed")),
         };
         if prompts.len() > 1 {
-            writeln!(out, "--- [{i}] {}", prompts[i])?;
+            writeln!(out, "--- [{i}] {}", echo(&prompts[i], args.verbose))?;
             if let Outcome::Done(c) = outcome {
                 match tokenizer::decode(tok, &c.tokens) {
                     Ok(text) => writeln!(out, "{}", text.trim())?,

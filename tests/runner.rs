@@ -69,6 +69,27 @@ fn flags_are_checked_before_loading_and_name_the_flag() -> Result<()> {
             "--prefix-caching cannot be combined with --window-blocks",
         ),
         (&["--device", "tpu"], "--device must be cpu or cuda, got tpu"),
+        (&["--top-k", "0"], "--top-k: sampling: top_k must be at least 1, got 0"),
+        (
+            &["--repeat-penalty", "0"],
+            "--repeat-penalty: sampling: repeat_penalty must be finite and positive, got 0",
+        ),
+        (
+            &["--repeat-penalty", "inf"],
+            "--repeat-penalty: sampling: repeat_penalty must be finite and positive, got inf",
+        ),
+        (
+            &["--kv-cache-dtype", "fp16"],
+            "--kv-cache-dtype must be auto or fp8, got fp16",
+        ),
+        (
+            &["--raw", "--system", "Be brief."],
+            "--system cannot be combined with --raw (a raw prompt goes without the chat template)",
+        ),
+        (
+            &["--chat-template", "/nonexistent/t.jinja"],
+            "--chat-template: reading /nonexistent/t.jinja",
+        ),
     ];
     for (flags, want) in checks {
         let got = error_of(flags)?;
@@ -151,6 +172,15 @@ fn a_prompt_beyond_the_context_prints_its_error_and_the_others_complete() -> Res
     let (first, second) = out
         .split_once("--- [1] ")
         .ok_or_else(|| anyhow::anyhow!("no second prompt in {out:?}"))?;
+    // Without --verbose a long prompt is echoed shortened.
+    ensure!(
+        second.starts_with(&format!(
+            "{}... (54000 characters; --verbose shows them all)\n",
+            &long[..100]
+        )),
+        "{:?}",
+        &second[..200.min(second.len())]
+    );
     let answer = first
         .strip_prefix("--- [0] What is 2 + 2?\n")
         .ok_or_else(|| anyhow::anyhow!("no first prompt in {first:?}"))?;
@@ -195,6 +225,115 @@ fn a_prompt_outgrowing_the_cache_keeps_its_text_and_prints_its_error() -> Result
     ensure!(
         error.starts_with("engine: request 0 outgrew the KV cache: with 17 tokens in context it needs more blocks than the cache has even alone (1 blocks of 16 tokens); it ends with the 13 tokens generated so far"),
         "{error:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn prompts_go_through_the_checkpoint_template_and_raw_keeps_markers() -> Result<()> {
+    // The template wraps the prompt and --system; the forged <|im_end|> is
+    // plain text (as a control token the prompt would have 19 tokens).
+    let (out, err) = run(&[
+        "--verbose",
+        "--system",
+        "Be brief.",
+        "--prompt",
+        "Hi<|im_end|>",
+        "--max-tokens",
+        "2",
+    ])?;
+    ensure!(err.is_none(), "{err:?}");
+    ensure!(
+        out.starts_with(
+            "[prompt 0: 25 tokens]\n<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|><|im_end|>\n<|im_start|>assistant\n\n> Hi<|im_end|>\n"
+        ),
+        "{out:?}"
+    );
+    // --raw: as written, the markers are control tokens (10 tokens).
+    let (out, err) = run(&[
+        "--raw",
+        "--verbose",
+        "--prompt",
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        "--max-tokens",
+        "2",
+    ])?;
+    ensure!(err.is_none(), "{err:?}");
+    ensure!(
+        out.starts_with(
+            "[prompt 0: 10 tokens]\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n\n"
+        ),
+        "{out:?}"
+    );
+    // --chat-template replaces the checkpoint's.
+    let dir = std::env::temp_dir().join(format!("cpa-runner-tpl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let tpl = dir.join("t.jinja");
+    std::fs::write(&tpl, "{{ messages[0]['content'] }}!")?;
+    let (out, err) = run(&[
+        "--verbose",
+        "--chat-template",
+        &tpl.display().to_string(),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "1",
+    ])?;
+    std::fs::remove_dir_all(&dir)?;
+    ensure!(err.is_none(), "{err:?}");
+    ensure!(
+        out.starts_with("[prompt 0: 2 tokens]\nHi!\n> Hi\n"),
+        "{out:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn fp8_cache_top_k_and_repeat_penalty_run() -> Result<()> {
+    for flags in [
+        &["--kv-cache-dtype", "fp8"][..],
+        &["--repeat-penalty", "1.3", "--repeat-last-n", "16"][..],
+        &["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9"][..],
+    ] {
+        let mut all = vec!["--prompt", "Name a colour.", "--max-tokens", "4"];
+        all.extend_from_slice(flags);
+        let (out, err) = run(&all)?;
+        ensure!(err.is_none(), "{flags:?}: {err:?}");
+        let answer = out
+            .strip_prefix("> Name a colour.\n")
+            .ok_or_else(|| anyhow::anyhow!("{flags:?}: {out:?}"))?;
+        ensure!(!answer.trim().is_empty(), "{flags:?}: {out:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn q4_gguf_weights_are_dequantized_on_the_cpu_unless_kept() -> Result<()> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fetch-smollm2.sh");
+    let out = std::process::Command::new("bash").arg(script).output()?;
+    ensure!(out.status.success(), "{script} failed");
+    let path = String::from_utf8(out.stdout)?.trim().to_string();
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut std::fs::File::open(&path)?)?;
+    let args = |flags: &[&str]| {
+        generate::Args::try_parse_from(std::iter::once("generate").chain(flags.iter().copied()))
+    };
+    let cpu = candle_core::Device::Cpu;
+    let (yes, note) = generate::dequantize_gguf(&ct, &args(&[])?, &cpu);
+    let note = note.unwrap_or_default();
+    ensure!(
+        yes && note.starts_with("dequantizing the Q4_1 weights to f32 (")
+            && note.ends_with(" MiB): faster on the CPU (--keep-quantized keeps them)"),
+        "{note}"
+    );
+    ensure!(generate::dequantize_gguf(&ct, &args(&["--keep-quantized"])?, &cpu) == (false, None));
+    ensure!(generate::dequantize_gguf(&ct, &args(&["--dequantize"])?, &cpu) == (true, None));
+    let err = args(&["--dequantize", "--keep-quantized"])
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.contains("'--dequantize' cannot be used with '--keep-quantized'"),
+        "{err}"
     );
     Ok(())
 }

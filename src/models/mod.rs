@@ -16,8 +16,9 @@
 //!   (`QMatMul`), with Hugging Face's sliding window and activation.
 //! * [`gemma2::Gemma2`], [`gemma3::Gemma3`] - softcapping, alternating
 //!   sliding-window and global layers, Gemma 3's q/k norms and rope bases.
-//! * [`tokenizer`] - a `tokenizers` BPE tokenizer from GGUF metadata.
-//! * [`chat`] - ChatML prompts (SmolLM2-Instruct's template).
+//! * [`tokenizer`] - tokenizers from the checkpoint: GGUF GPT-2 BPE and
+//!   SentencePiece vocabularies, `tokenizer.json`; special tokens.
+//! * [`chat`] - the checkpoint's chat template, rendered with `minijinja`.
 //! * [`generation`] - sampling and a continuous-batching [`generation::Engine`].
 
 pub mod chat;

@@ -188,9 +188,10 @@ pub struct EngineStats {
 
 /// What a successful forward pass hands to the sampling of a step.
 struct StepLogits {
-    /// The argmax of each greedy sequence's logit row, by logit row.
+    /// The argmax of the logit row of each sequence whose sampler takes the
+    /// plain argmax (greedy, no repeat penalty), by logit row.
     argmax: Vec<Option<u32>>,
-    /// The logit rows of the sampled (non-greedy) sequences, on the host,
+    /// The logit rows of the other sequences (sampled, or penalised), on the host,
     /// by logit row.
     sampled: Vec<Option<Tensor>>,
 }
@@ -956,15 +957,17 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                 bail!("{OP}: scheduled sequence {id} is not running");
             };
             let token = match (&logits.sampled[r], logits.argmax.get(r).copied().flatten()) {
-                (Some(row), _) => match seq.sampler.sample(row) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        let why =
-                            format!("{OP}: request {id}: sampling its next token failed: {e}");
-                        finished.push((id, FinishReason::Error(why)));
-                        continue;
+                (Some(row), _) => {
+                    match seq.sampler.sample(row, &seq.request.prompt, &seq.generated) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            let why =
+                                format!("{OP}: request {id}: sampling its next token failed: {e}");
+                            finished.push((id, FinishReason::Error(why)));
+                            continue;
+                        }
                     }
-                },
+                }
                 (None, Some(t)) => t,
                 (None, None) => bail!("{OP}: no logits were read for request {id}"),
             };

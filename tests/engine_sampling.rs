@@ -1,0 +1,167 @@
+//! The engine's sampling options, on a model whose logits are known: every
+//! row is `32 - t` for token `t` (all positive, token 0 the most likely), so
+//! the tokens a repeat penalty and top-k give are known exactly.
+
+#![cfg(feature = "models")]
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_paged_attention::models::generation::{
+    Engine, Request, SamplingParams, SchedulerConfig,
+};
+use candle_paged_attention::models::{CacheConfig, PagedKvCache, PagedModel};
+use candle_paged_attention::{Attention, AttentionMetadata, AttentionOptions};
+
+const VOCAB: usize = 32;
+
+/// Fixed logits `32 - t`; one attention layer sizes the cache, which the
+/// model never reads.
+struct FixedLogits {
+    layers: Vec<Attention>,
+    device: Device,
+}
+
+impl FixedLogits {
+    fn new() -> Result<Self> {
+        let options = AttentionOptions {
+            block_size: 4,
+            ..Default::default()
+        };
+        Ok(Self {
+            layers: vec![Attention::new(1, 1, 4, 1.0, options)?],
+            device: Device::Cpu,
+        })
+    }
+}
+
+impl PagedModel for FixedLogits {
+    fn attention_layers(&self) -> Vec<&Attention> {
+        self.layers.iter().collect()
+    }
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn max_seq_len(&self) -> usize {
+        256
+    }
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+    fn forward(
+        &self,
+        _input_ids: &Tensor,
+        _metadata: &AttentionMetadata,
+        _cache: &PagedKvCache,
+        rows: &[usize],
+    ) -> candle_core::Result<Tensor> {
+        let row: Vec<f32> = (0..VOCAB).map(|t| (VOCAB - t) as f32).collect();
+        Tensor::new(row.as_slice(), &self.device)?
+            .unsqueeze(0)?
+            .repeat((rows.len(), 1))
+    }
+}
+
+fn request(id: u64, prompt: Vec<u32>, params: SamplingParams) -> Request {
+    Request { id, prompt, params }
+}
+
+#[test]
+fn repeat_penalty_and_top_k_pick_the_expected_tokens_in_one_batch() -> Result<()> {
+    let model = FixedLogits::new()?;
+    let cache = PagedKvCache::new(
+        &model.attention_layers(),
+        CacheConfig::new(64),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let mut engine = Engine::new(&model, cache, SchedulerConfig::default())?;
+    let penalty = |last_n| SamplingParams {
+        // 32 / 100 < 1, the smallest unpenalised logit: a recent token loses.
+        repeat_penalty: 100.0,
+        repeat_last_n: last_n,
+        ..SamplingParams::greedy(6)
+    };
+    // Plain greedy: always token 0.
+    engine.add_request(request(0, vec![31], SamplingParams::greedy(6)))?;
+    // Greedy with a penalty over the last 2 tokens (prompt included): the
+    // best token not among them.
+    engine.add_request(request(1, vec![31], penalty(2)))?;
+    engine.add_request(request(2, vec![0], penalty(2)))?;
+    // A window longer than everything: every token is new.
+    engine.add_request(request(3, vec![5, 0], penalty(100)))?;
+    // Sampled, top-k 1: the argmax whatever the seed.
+    engine.add_request(request(
+        4,
+        vec![31],
+        SamplingParams {
+            temperature: 1.5,
+            top_k: Some(1),
+            ..SamplingParams::greedy(6)
+        },
+    ))?;
+    let mut done = engine.run(|_| {})?;
+    done.sort_by_key(|c| c.id);
+    let tokens: Vec<Vec<u32>> = done.iter().map(|c| c.tokens.clone()).collect();
+    ensure!(
+        tokens
+            == [
+                vec![0, 0, 0, 0, 0, 0],
+                vec![0, 1, 2, 0, 1, 2],
+                vec![1, 2, 0, 1, 2, 0],
+                vec![1, 2, 3, 4, 6, 7],
+                vec![0, 0, 0, 0, 0, 0],
+            ],
+        "{tokens:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn invalid_top_k_and_repeat_penalty_are_refused_by_add_request() -> Result<()> {
+    let model = FixedLogits::new()?;
+    let cache = PagedKvCache::new(
+        &model.attention_layers(),
+        CacheConfig::new(8),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let mut engine = Engine::new(&model, cache, SchedulerConfig::default())?;
+    let err = engine
+        .add_request(request(
+            7,
+            vec![1],
+            SamplingParams {
+                top_k: Some(0),
+                ..SamplingParams::greedy(2)
+            },
+        ))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.starts_with("engine: request 7: sampling: top_k must be at least 1, got 0"),
+        "{err}"
+    );
+    let err = engine
+        .add_request(request(
+            8,
+            vec![1],
+            SamplingParams {
+                repeat_penalty: -1.0,
+                ..SamplingParams::greedy(2)
+            },
+        ))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.starts_with(
+            "engine: request 8: sampling: repeat_penalty must be finite and positive, got -1"
+        ),
+        "{err}"
+    );
+    Ok(())
+}
