@@ -178,15 +178,23 @@ impl AttentionMetadata {
                     host.block_table_width()
                 );
             }
+            let (Some(cells), Ok(extra)) = (num_seqs.checked_mul(width), u32::try_from(num_seqs))
+            else {
+                bail!("{OP}: {num_seqs} sequences of width {width} overflow the batch's indices");
+            };
             let mut cu = host.cu_seqlens_q().to_vec();
             let mut seq_lens = host.seq_lens().to_vec();
-            let mut tables = vec![0u32; num_seqs * width];
+            let mut tables = vec![0u32; cells];
             for i in 0..n {
                 let row = host.block_table(i);
                 tables[i * width..i * width + row.len()].copy_from_slice(row);
             }
             let mut slot_vec = slots.host().to_vec();
             let last = cu.last().copied().unwrap_or(0);
+            if last.checked_add(extra).is_none() {
+                bail!("{OP}: {num_seqs} padded sequences overflow cu_seqlens_q (u32)");
+            }
+            // k <= num_seqs - n <= extra, and last + extra fits: no overflow.
             for k in 1..=(num_seqs - n) {
                 cu.push(last + k as u32);
                 seq_lens.push(1);

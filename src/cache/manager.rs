@@ -910,9 +910,12 @@ impl BlockManager {
         if num_seqs == 0 {
             bail!("{OP}: a padding batch needs at least one sequence");
         }
-        let cu: Vec<u32> = (0..=num_seqs as u32).collect();
+        let (Ok(n), Some(cells)) = (u32::try_from(num_seqs), num_seqs.checked_mul(width)) else {
+            bail!("{OP}: a padding batch of {num_seqs} sequences of width {width} overflows its indices");
+        };
+        let cu: Vec<u32> = (0..=n).collect();
         let seq_lens = vec![1u32; num_seqs];
-        let tables = vec![0u32; num_seqs * width];
+        let tables = vec![0u32; cells];
         let slots = vec![-1i64; num_seqs];
         let bs = self.block_size;
         let batch = PagedBatch::new(&cu, &seq_lens, &tables, width, bs, device)?;

@@ -60,6 +60,7 @@ use candle_core::{
 };
 
 use super::buckets::decode_bucket;
+use crate::attention::Attention;
 use crate::metadata::AttentionMetadata;
 use crate::models::{PagedKvCache, PagedModel};
 
@@ -148,12 +149,12 @@ impl DecodeGraphs {
     ) -> Result<Option<Tensor>> {
         let n = metadata.num_seqs();
         let host = metadata.batch().host();
+        let layers = model.attention_layers();
         if !model.device().is_cuda()
             || !metadata.device().is_cpu()
             || !host.is_pure_decode()
             || token_ids.len() != n
-            || model
-                .attention_layers()
+            || layers
                 .iter()
                 .any(|a| a.options().attention_chunk_size.is_some())
         {
@@ -166,7 +167,7 @@ impl DecodeGraphs {
         let padded = metadata
             .padded(b, w, &Device::Cpu)?
             .with_split_plan_keys(w * bs);
-        check_blocks(model, cache, &padded)?;
+        check_blocks(&layers, cache, &padded)?;
         let mut ids = token_ids.to_vec();
         ids.resize(b, 0);
         let Some(c) = self.ensure(model, cache, &padded, &ids)? else {
@@ -267,12 +268,12 @@ impl DecodeGraphs {
 /// Checks every layer's block ids and slots against its cache: the graph's
 /// kernels read the tables as written, with no host validation against the
 /// cache at replay time.
-fn check_blocks<M: PagedModel + ?Sized>(
-    model: &M,
+fn check_blocks(
+    layers: &[&Attention],
     cache: &PagedKvCache,
     padded: &AttentionMetadata,
 ) -> Result<()> {
-    for (i, layer) in model.attention_layers().iter().enumerate() {
+    for (i, layer) in layers.iter().enumerate() {
         let view = padded.for_layer(layer.options().sliding_window, None)?;
         let blocks = cache.layer(i).num_blocks();
         let host = view.batch.host();
@@ -468,7 +469,14 @@ impl InplaceOp1 for WriteHost<'_> {
         match (storage, self.0) {
             (CpuStorage::U32(d), HostValues::U32(v)) => d[start..end].copy_from_slice(v),
             (CpuStorage::I64(d), HostValues::I64(v)) => d[start..end].copy_from_slice(v),
-            _ => bail!("{OP}: the destination's dtype does not match the values"),
+            (d, v) => bail!(
+                "{OP}: cannot write {} values into a {:?} tensor",
+                match v {
+                    HostValues::U32(_) => "u32",
+                    HostValues::I64(_) => "i64",
+                },
+                d.dtype()
+            ),
         }
         Ok(())
     }

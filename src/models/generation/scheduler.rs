@@ -857,9 +857,9 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// CUDA graph when one applies, else eagerly on the metadata moved to
     /// the model's device.
     fn host_built_forward(&self, batch: &ScheduledBatch, rows: &[usize]) -> Result<Tensor> {
-        let all_rows = rows.iter().copied().eq(0..batch.metadata.num_tokens());
+        // A graph computes the logits of every row, in order.
         #[cfg(feature = "cuda")]
-        if all_rows {
+        if rows.iter().copied().eq(0..batch.metadata.num_tokens()) {
             self.size_graph_scratch()?;
             let graphs = self.graphs.try_borrow_mut();
             let mut graphs =
@@ -870,7 +870,6 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                 return Ok(logits);
             }
         }
-        let _ = all_rows;
         let host = batch.metadata.batch().host();
         let metadata = batch.metadata.padded(
             host.num_seqs(),
