@@ -58,3 +58,92 @@ CPA_RC(reshape_and_cache_bf16, __nv_bfloat16, __nv_bfloat16)
 CPA_RC(reshape_and_cache_f32_fp8, float, fp8_t)
 CPA_RC(reshape_and_cache_f16_fp8, __half, fp8_t)
 CPA_RC(reshape_and_cache_bf16_fp8, __nv_bfloat16, fp8_t)
+
+// ---- rotary embedding fused with the cache write --------------------------
+//
+// `rotary_cache_{ti}_{t}[_fp8]`: one program per token of a joined q/k/v
+// projection row `qkv[t]` = `heads` query heads, `kv_heads` key heads, then
+// `kv_heads` value heads of `head_size` elements (input dtype TI: the
+// model's dtype T, or f32 from a quantized matmul). Each input element is
+// first rounded to T (as a cast of the projection would), then
+// - query and key heads are rotated by the token's rotary row (`cos[t]`,
+//   `sin[t]`, `head_size / 2` values each, dtype T): pairs `(2i, 2i + 1)`
+//   when `interleaved`, else `(i, i + head_size / 2)`; computed in f32 and
+//   rounded once to T;
+// - the rotated queries go to `q_out[t]` (`heads * head_size`, dtype T), for
+//   every token;
+// - the rotated keys and the values go to cache row `slots[t]` as
+//   `reshape_and_cache` stores them (skipped for a slot outside
+//   `0..capacity`; an fp8 cache stores `x * inv_scale`, saturated).
+
+template <typename C, typename T>
+__device__ __forceinline__ C to_cache(T x, float inv_scale) {
+  if constexpr (std::is_same<C, T>::value) {
+    return x;
+  } else {
+    return from_f32<C>(to_f32(x) * inv_scale);
+  }
+}
+
+template <typename TI, typename T, typename C>
+__device__ __forceinline__ void rotary_cache_body(const TI* __restrict__ qkv, const T* __restrict__ cos,
+                                                  const T* __restrict__ sin, T* __restrict__ q_out,
+                                                  C* __restrict__ key_cache, C* __restrict__ value_cache,
+                                                  const int64_t* __restrict__ slots, int heads, int kv_heads,
+                                                  int head_size, int interleaved, int64_t capacity,
+                                                  float k_inv_scale, float v_inv_scale) {
+  const int64_t token = blockIdx.x;
+  const int half = head_size / 2;
+  const int64_t kv_row = (int64_t)kv_heads * head_size;
+  const TI* row = qkv + token * ((int64_t)heads * head_size + 2 * kv_row);
+  const T* c_row = cos + token * half;
+  const T* s_row = sin + token * half;
+  const int64_t slot = slots[token];
+  const bool store = slot >= 0 && slot < capacity;
+  const int pairs = (heads + kv_heads) * half;
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int h = p / half, i = p - h * half;
+    const int a = interleaved ? 2 * i : i;
+    const int b = interleaved ? 2 * i + 1 : i + half;
+    const float x0 = to_f32(from_f32<T>(to_f32(row[h * head_size + a])));
+    const float x1 = to_f32(from_f32<T>(to_f32(row[h * head_size + b])));
+    const float c = to_f32(c_row[i]), s = to_f32(s_row[i]);
+    const T y0 = from_f32<T>(x0 * c - x1 * s);
+    const T y1 = from_f32<T>(x0 * s + x1 * c);
+    if (h < heads) {
+      T* q = q_out + (token * heads + h) * head_size;
+      q[a] = y0;
+      q[b] = y1;
+    } else if (store) {
+      C* k = key_cache + slot * kv_row + (int64_t)(h - heads) * head_size;
+      k[a] = to_cache<C>(y0, k_inv_scale);
+      k[b] = to_cache<C>(y1, k_inv_scale);
+    }
+  }
+  if (!store) return;
+  const TI* v = row + (int64_t)(heads + kv_heads) * head_size;
+  C* dst = value_cache + slot * kv_row;
+  for (int64_t e = threadIdx.x; e < kv_row; e += blockDim.x) {
+    dst[e] = to_cache<C>(from_f32<T>(to_f32(v[e])), v_inv_scale);
+  }
+}
+
+#define CPA_ROT(NAME, TI, T, C)                                                                          \
+  extern "C" __global__ void NAME(const TI* qkv, const T* cos, const T* sin, T* q_out, C* key_cache,     \
+                                  C* value_cache, const int64_t* slots, int heads, int kv_heads,        \
+                                  int head_size, int interleaved, int64_t capacity, float k_inv_scale,  \
+                                  float v_inv_scale) {                                                  \
+    rotary_cache_body<TI, T, C>(qkv, cos, sin, q_out, key_cache, value_cache, slots, heads, kv_heads,   \
+                                head_size, interleaved, capacity, k_inv_scale, v_inv_scale);            \
+  }
+
+CPA_ROT(rotary_cache_f32_f32, float, float, float)
+CPA_ROT(rotary_cache_f16_f16, __half, __half, __half)
+CPA_ROT(rotary_cache_bf16_bf16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16)
+CPA_ROT(rotary_cache_f32_f16, float, __half, __half)
+CPA_ROT(rotary_cache_f32_bf16, float, __nv_bfloat16, __nv_bfloat16)
+CPA_ROT(rotary_cache_f32_f32_fp8, float, float, fp8_t)
+CPA_ROT(rotary_cache_f16_f16_fp8, __half, __half, fp8_t)
+CPA_ROT(rotary_cache_bf16_bf16_fp8, __nv_bfloat16, __nv_bfloat16, fp8_t)
+CPA_ROT(rotary_cache_f32_f16_fp8, float, __half, fp8_t)
+CPA_ROT(rotary_cache_f32_bf16_fp8, float, __nv_bfloat16, fp8_t)

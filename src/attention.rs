@@ -10,6 +10,7 @@ use crate::cache::LayerKvCache;
 use crate::metadata::AttentionMetadata;
 use crate::ops::paged_attention::paged_attention;
 use crate::ops::reshape_and_cache::reshape_and_cache;
+use crate::ops::rotary_cache::{rotary_reshape_and_cache, rotate, RotaryRows};
 use crate::params::{KvScales, KvSplit, PagedAttentionParams, MAX_HEAD_SIZE};
 
 const OP: &str = "attention";
@@ -258,19 +259,87 @@ impl Attention {
             layer.slot_mapping,
             scales,
         )?;
-        let params =
-            PagedAttentionParams::new(cache.key(), cache.value(), &layer.batch, self.scale)
-                .with_sliding_window(self.options.sliding_window)
-                .with_softcap(self.options.softcap)
-                .with_alibi_slopes(self.options.alibi_slopes.clone())
-                .with_sinks(self.options.sinks.clone())
-                .with_kv_scales(scales)
-                .with_kv_split(match (self.options.kv_split, metadata.split_plan_keys()) {
-                    (KvSplit::Auto, Some(keys)) => {
-                        KvSplit::AutoUpTo(u32::try_from(keys).unwrap_or(u32::MAX))
-                    }
-                    (split, _) => split,
-                });
+        self.attend(q, cache, &layer.batch, metadata)
+    }
+
+    /// Like [`forward`](Self::forward) for a joined q/k/v projection whose
+    /// queries and keys still need their rotary embedding: rotates them,
+    /// stores the keys and values and attends. On CUDA the rotation and the
+    /// cache write are one kernel ([`rotary_reshape_and_cache`]); elsewhere
+    /// (and for a layer without cache blocks) it runs candle's rotary ops and
+    /// [`forward`](Self::forward), with the same results as before fusing.
+    ///
+    /// # Arguments
+    /// * `qkv` - `(num_tokens, (num_heads + 2 * num_kv_heads) * head_size)`:
+    ///   query, key, then value heads; in `rows`' dtype or f32 (rounded to
+    ///   it first).
+    /// * `rows` - the tokens' rotary rows, `(num_tokens, head_size / 2)`,
+    ///   in the model's dtype.
+    /// * `cache`, `metadata` - as in [`forward`](Self::forward).
+    ///
+    /// Returns `(num_tokens, num_heads * head_size)` in `rows`' dtype.
+    pub fn forward_rotary_qkv(
+        &self,
+        qkv: &Tensor,
+        rows: RotaryRows<'_>,
+        cache: &LayerKvCache,
+        metadata: &AttentionMetadata,
+    ) -> Result<Tensor> {
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_size);
+        let n = metadata.num_tokens();
+        if qkv.dims() != [n, (h + 2 * kvh) * d] {
+            bail!(
+                "{OP}: qkv must be [num_tokens = {n}, ({h} + 2 x {kvh} heads) x {d}], got shape {:?}",
+                qkv.dims()
+            );
+        }
+        if !qkv.device().is_cuda() || cache.is_empty() {
+            let qkv = qkv.to_dtype(rows.cos.dtype())?;
+            let q = rotate(&qkv.narrow(1, 0, h * d)?, rows, h)?;
+            let k = rotate(&qkv.narrow(1, h * d, kvh * d)?, rows, kvh)?;
+            let v = qkv.narrow(1, (h + kvh) * d, kvh * d)?;
+            return self.forward(&q, &k, &v, cache, metadata);
+        }
+        self.check_cache(cache, rows.cos.dtype())?;
+        let layer = metadata.for_layer(
+            self.options.sliding_window,
+            self.options.attention_chunk_size,
+        )?;
+        let q = rotary_reshape_and_cache(
+            qkv,
+            rows,
+            h,
+            cache.key(),
+            cache.value(),
+            layer.slot_mapping,
+            self.kv_scales(),
+        )?;
+        self.attend(&q, cache, &layer.batch, metadata)
+    }
+
+    /// Attends `q` `(num_tokens, num_heads * head_size)` over `cache`, whose
+    /// new keys and values are stored, for the layer's batch `batch`.
+    fn attend(
+        &self,
+        q: &Tensor,
+        cache: &LayerKvCache,
+        batch: &crate::batch::PagedBatch,
+        metadata: &AttentionMetadata,
+    ) -> Result<Tensor> {
+        let (n, h, d) = (metadata.num_tokens(), self.num_heads, self.head_size);
+        let scales = self.kv_scales();
+        let params = PagedAttentionParams::new(cache.key(), cache.value(), batch, self.scale)
+            .with_sliding_window(self.options.sliding_window)
+            .with_softcap(self.options.softcap)
+            .with_alibi_slopes(self.options.alibi_slopes.clone())
+            .with_sinks(self.options.sinks.clone())
+            .with_kv_scales(scales)
+            .with_kv_split(match (self.options.kv_split, metadata.split_plan_keys()) {
+                (KvSplit::Auto, Some(keys)) => {
+                    KvSplit::AutoUpTo(u32::try_from(keys).unwrap_or(u32::MAX))
+                }
+                (split, _) => split,
+            });
         let q = q.reshape((n, h, d))?;
         paged_attention(&q, &params)?.reshape((n, h * d))
     }

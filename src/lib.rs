@@ -75,8 +75,12 @@ pub use cache::{
 #[doc(hidden)]
 pub use cuda::describe::{kernel_instance_reports, KernelInstanceReport};
 pub use metadata::{AttentionMetadata, LayerBatch, WindowGroup};
+pub use ops::layer_ops::{add_rms_norm, gated_activation, rms_norm};
 #[cfg(feature = "cuda")]
 pub use ops::paged_attention::cuda_launch_plan;
 pub use ops::paged_attention::{paged_attention, PagedAttention};
 pub use ops::reshape_and_cache::{reshape_and_cache, ReshapeAndCache};
-pub use params::{AttentionDims, KvScales, KvSplit, PagedAttentionParams, MAX_HEAD_SIZE};
+pub use ops::rotary_cache::{rotary_reshape_and_cache, RotaryRows};
+pub use params::{
+    AttentionDims, GatedActivation, KvScales, KvSplit, PagedAttentionParams, MAX_HEAD_SIZE,
+};

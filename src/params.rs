@@ -278,3 +278,14 @@ pub(crate) struct CacheWrite {
     /// `1 / scale` for an `F8E4M3` cache (finite: the scale is normal), else 1.
     pub inv_scale: f32,
 }
+
+/// The activation of a gated MLP, `act(gate) * up`
+/// ([`gated_activation`](crate::gated_activation)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatedActivation {
+    /// `x * sigmoid(x)` (Llama's SwiGLU).
+    Silu,
+    /// The tanh approximation of GELU (Gemma's GeGLU,
+    /// `gelu_pytorch_tanh`).
+    GeluTanh,
+}

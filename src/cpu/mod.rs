@@ -6,5 +6,6 @@
 //! `params` and `batch`; must not import `ops` (which calls it) or `cuda`.
 
 pub(crate) mod elem;
+pub(crate) mod layer_ops;
 pub(crate) mod paged_attention;
 pub(crate) mod reshape_and_cache;

@@ -10,9 +10,12 @@
 
 pub(crate) mod contract;
 pub(crate) mod describe;
+pub(crate) mod layer_ops;
+pub(crate) mod layer_shapes;
 pub(crate) mod paged_attention;
 pub(crate) mod plan;
 pub(crate) mod reshape_and_cache;
+pub(crate) mod rotary_cache;
 pub(crate) mod tiles;
 pub(crate) mod workspace;
 

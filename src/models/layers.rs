@@ -70,6 +70,12 @@ impl FusedLinear {
         })
     }
 
+    /// `x` `(num_tokens, in_dim)` -> the projections side by side,
+    /// `(num_tokens, sum(out_dim))`, from one matmul.
+    pub(crate) fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
+        x.apply(&self.linear)
+    }
+
     /// `x` `(num_tokens, in_dim)` -> one `(num_tokens, out_dim)` view per
     /// projection (columns of one matmul's output, not contiguous); `N` is
     /// the number of projections loaded.
@@ -133,9 +139,82 @@ impl GatedMlp {
 impl Module for GatedMlp {
     /// `x` - `(num_tokens, hidden)`; returns the same shape.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = self.gate_up.forward(x)?;
-        (gate.apply(&self.act)? * up)?.apply(&self.down)
+        let fused = match self.act {
+            Activation::Silu => Some(crate::GatedActivation::Silu),
+            Activation::GeluPytorchTanh => Some(crate::GatedActivation::GeluTanh),
+            _ => None,
+        };
+        let h = match fused {
+            Some(act) => gated(&self.gate_up.forward_joined(x)?, act, x.dtype())?,
+            None => {
+                let [gate, up] = self.gate_up.forward(x)?;
+                (gate.apply(&self.act)? * up)?
+            }
+        };
+        h.apply(&self.down)
     }
+}
+
+/// An RMS norm over the last dimension that runs as one fused kernel on
+/// CUDA, together with the residual add in front of it
+/// ([`add_forward`](Self::add_forward)). Elsewhere it runs candle's ops,
+/// so CPU results stay those of candle-transformers' models bit for bit.
+#[derive(Clone, Debug)]
+pub(crate) struct FusedRmsNorm {
+    /// `(dim,)`, the activations' dtype.
+    weight: Tensor,
+    eps: f64,
+}
+
+impl FusedRmsNorm {
+    /// A norm of `weight` `(dim,)` (Gemma's `1 + w` already folded in).
+    pub(crate) fn new(weight: Tensor, eps: f64) -> Self {
+        Self { weight, eps }
+    }
+
+    /// Loads `weight` `(dim,)` from `vb` (a Hugging Face `*norm` module).
+    pub(crate) fn load(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self::new(vb.get(dim, "weight")?, eps))
+    }
+
+    /// `x` `(num_tokens, dim)` normalised; x's shape and dtype.
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.device().is_cuda() {
+            return crate::rms_norm(x, &self.weight, self.eps as f32, 0.);
+        }
+        candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
+    }
+
+    /// The residual add and this norm: `(x + delta, norm(x + delta))`,
+    /// x's dtype. `delta` has x's shape, in x's dtype or f32 (a quantized
+    /// matmul's output), and is rounded to x's dtype before the add off
+    /// CUDA (the fused kernel adds in f32 and rounds once).
+    pub(crate) fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor)> {
+        if x.device().is_cuda() {
+            return crate::add_rms_norm(x, delta, &self.weight, self.eps as f32, 0.);
+        }
+        let sum = (x + delta.to_dtype(x.dtype())?)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
+    }
+}
+
+/// `act(gate) * up` of a joined gate/up output `gate_up`
+/// `(num_tokens, 2 * inter)` (gate columns first), as `(num_tokens, inter)`
+/// of `dtype`: one fused kernel on CUDA; elsewhere candle's ops on the
+/// halves rounded to `dtype`, as candle-transformers computes it.
+pub(crate) fn gated(gate_up: &Tensor, act: crate::GatedActivation, dtype: DType) -> Result<Tensor> {
+    if gate_up.device().is_cuda() {
+        return crate::gated_activation(gate_up, act, dtype);
+    }
+    let inter = gate_up.dim(1)? / 2;
+    let gate = gate_up.narrow(1, 0, inter)?.to_dtype(dtype)?;
+    let up = gate_up.narrow(1, inter, inter)?.to_dtype(dtype)?;
+    let gate = match act {
+        crate::GatedActivation::Silu => candle_nn::ops::silu(&gate)?,
+        crate::GatedActivation::GeluTanh => gate.gelu()?,
+    };
+    gate * up
 }
 
 /// `c * tanh(x / c)`.
@@ -220,6 +299,21 @@ impl QProjections {
     #[cfg(test)]
     fn is_fused(&self) -> bool {
         matches!(self.kind, QProjectionKind::Fused(..))
+    }
+
+    /// `x` `(num_tokens, in)` -> the projections side by side,
+    /// `(num_tokens, sum(out_i))` (one matmul when they are joined).
+    pub(crate) fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.kind {
+            QProjectionKind::Fused(w, _) => w.forward(x),
+            QProjectionKind::Separate(ws) => {
+                let parts = ws
+                    .iter()
+                    .map(|w| w.forward(x))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 1)
+            }
+        }
     }
 
     /// `x` `(num_tokens, in)` -> the `N` projections, `(num_tokens, out_i)`.

@@ -10,13 +10,13 @@
 use std::f32::consts::PI;
 
 use candle_core::{bail, DType, Device, Result, Tensor};
-use candle_nn::{Activation, Embedding, Linear, Module, RmsNorm, VarBuilder};
+use candle_nn::{Activation, Embedding, Linear, Module, VarBuilder};
 
 pub use candle_transformers::models::llama::{
     Config, Llama3RopeConfig, Llama3RopeType, LlamaConfig, LlamaEosToks,
 };
 
-use super::layers::{FusedLinear, GatedMlp};
+use super::layers::{FusedLinear, FusedRmsNorm, GatedMlp};
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
@@ -98,20 +98,18 @@ impl SelfAttention {
         cache: &crate::cache::LayerKvCache,
         metadata: &AttentionMetadata,
     ) -> Result<Tensor> {
-        let [q, k, v] = self.qkv_proj.forward(x)?;
-        let q = rotary.apply(&q, self.attn.num_heads())?;
-        let k = rotary.apply(&k, self.attn.num_kv_heads())?;
+        let qkv = self.qkv_proj.forward_joined(x)?;
         self.attn
-            .forward(&q, &k, &v, cache, metadata)?
+            .forward_rotary_qkv(&qkv, rotary.rows(), cache, metadata)?
             .apply(&self.o_proj)
     }
 }
 
 #[derive(Clone, Debug)]
 struct DecoderLayer {
-    input_layernorm: RmsNorm,
+    input_layernorm: FusedRmsNorm,
     self_attn: SelfAttention,
-    post_attention_layernorm: RmsNorm,
+    post_attention_layernorm: FusedRmsNorm,
     mlp: GatedMlp,
 }
 
@@ -121,7 +119,7 @@ struct DecoderLayer {
 pub struct Llama {
     embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
+    norm: FusedRmsNorm,
     lm_head: Linear,
     rotary: RotaryEmbedding,
     vocab_size: usize,
@@ -149,11 +147,11 @@ impl Llama {
         } else {
             candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
         };
-        let norm = candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
+        let norm = FusedRmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let vb_l = vb_m.pp(format!("layers.{i}"));
-            let rms = |name| candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb_l.pp(name));
+            let rms = |name| FusedRmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vb_l.pp(name));
             layers.push(DecoderLayer {
                 input_layernorm: rms("input_layernorm")?,
                 self_attn: SelfAttention::load(cfg, options, vb_l.pp("self_attn"))?,
@@ -218,19 +216,26 @@ impl PagedModel for Llama {
         check_cache(OP, cache, self.layers.len())?;
         let rotary = self.rotary.at(metadata)?;
         let mut x = self.embed_tokens.forward(input_ids)?;
+        let Some(first) = self.layers.first() else {
+            bail!("{OP}: the model has no layers");
+        };
+        // Each residual add runs with the norm after it (one kernel on CUDA);
+        // the last one with the output norm, over every row (the norm is
+        // per row, so selecting the rows after it changes nothing).
+        let mut normed = first.input_layernorm.forward(&x)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = x.apply(&layer.input_layernorm)?;
             let h = layer
                 .self_attn
-                .forward(&h, &rotary, cache.layer(i), metadata)?;
-            x = (x + h)?;
-            let h = x
-                .apply(&layer.post_attention_layernorm)?
-                .apply(&layer.mlp)?;
-            x = (x + h)?;
+                .forward(&normed, &rotary, cache.layer(i), metadata)?;
+            (x, normed) = layer.post_attention_layernorm.add_forward(&x, &h)?;
+            let h = normed.apply(&layer.mlp)?;
+            let next = self
+                .layers
+                .get(i + 1)
+                .map_or(&self.norm, |l| &l.input_layernorm);
+            (x, normed) = next.add_forward(&x, &h)?;
         }
-        select_rows(OP, &x, rows)?
-            .apply(&self.norm)?
+        select_rows(OP, &normed, rows)?
             .apply(&self.lm_head)?
             .to_dtype(DType::F32)
     }

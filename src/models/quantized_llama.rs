@@ -20,14 +20,15 @@ use std::io::{Read, Seek};
 
 use candle_core::quantized::{gguf_file, QMatMul, QTensor};
 use candle_core::{bail, DType, Device, Result, Tensor};
-use candle_nn::{Embedding, Module, RmsNorm};
+use candle_nn::{Embedding, Module};
 
-use super::layers::QProjections;
+use super::layers::{gated, FusedRmsNorm, QProjections};
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
 use crate::cache::LayerKvCache;
 use crate::metadata::AttentionMetadata;
+use crate::GatedActivation;
 
 const OP: &str = "quantized-llama";
 
@@ -112,12 +113,12 @@ impl GgufLlamaParams {
 
 #[derive(Clone, Debug)]
 struct Layer {
-    attn_norm: RmsNorm,
+    attn_norm: FusedRmsNorm,
     /// `attn_q`, `attn_k`, `attn_v`.
     wqkv: QProjections,
     wo: QMatMul,
     attn: Attention,
-    ffn_norm: RmsNorm,
+    ffn_norm: FusedRmsNorm,
     /// `ffn_gate`, `ffn_up`.
     w_gate_up: QProjections,
     w_down: QMatMul,
@@ -131,21 +132,21 @@ impl Layer {
         cache: &LayerKvCache,
         metadata: &AttentionMetadata,
     ) -> Result<Tensor> {
-        let [q, k, v] = self.wqkv.forward(x)?.map(|t| t.to_dtype(x.dtype()));
-        let (q, k, v) = (q?, k?, v?);
-        let q = rotary.apply(&q, self.attn.num_heads())?;
-        let k = rotary.apply(&k, self.attn.num_kv_heads())?;
-        let y = self.attn.forward(&q, &k, &v, cache, metadata)?;
-        // Quantized matmuls of more than 8 rows return f32 whatever their input.
-        self.wo.forward(&y)?.to_dtype(x.dtype())
+        let qkv = self.wqkv.forward_joined(x)?;
+        let y = self
+            .attn
+            .forward_rotary_qkv(&qkv, rotary.rows(), cache, metadata)?;
+        // Quantized matmuls of more than 8 rows return f32 whatever their
+        // input; the residual add takes either.
+        self.wo.forward(&y)
     }
 
+    /// The feed-forward block of normalised `x`; the down projection's
+    /// output in x's dtype or f32 (see `attention`).
     fn mlp(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = self.w_gate_up.forward(x)?.map(|t| t.to_dtype(x.dtype()));
-        let (gate, up) = (gate?, up?);
+        let gate_up = self.w_gate_up.forward_joined(x)?;
         self.w_down
-            .forward(&(candle_nn::ops::silu(&gate)? * up)?)?
-            .to_dtype(x.dtype())
+            .forward(&gated(&gate_up, GatedActivation::Silu, x.dtype())?)
     }
 }
 
@@ -156,7 +157,7 @@ pub struct QuantizedLlama {
     dtype: DType,
     tok_embeddings: Embedding,
     layers: Vec<Layer>,
-    norm: RmsNorm,
+    norm: FusedRmsNorm,
     output: QMatMul,
     rotary: RotaryEmbedding,
     params: GgufLlamaParams,
@@ -234,9 +235,9 @@ impl QuantizedLlama {
         };
         let p = GgufLlamaParams::from_gguf(ct)?;
         let head_dim = p.head_dim();
-        let norm = |name: &str, r: &mut R| -> Result<RmsNorm> {
+        let norm = |name: &str, r: &mut R| -> Result<FusedRmsNorm> {
             let w = ct.tensor(r, name, device)?.dequantize(device)?;
-            Ok(RmsNorm::new(w.to_dtype(dtype)?, p.rms_norm_eps))
+            Ok(FusedRmsNorm::new(w.to_dtype(dtype)?, p.rms_norm_eps))
         };
         let embd_q = ct.tensor(reader, "token_embd.weight", device)?;
         let embd = embd_q.dequantize(device)?.to_dtype(dtype)?;
@@ -345,18 +346,21 @@ impl PagedModel for QuantizedLlama {
         check_cache(OP, cache, self.layers.len())?;
         let rotary = self.rotary.at(metadata)?;
         let mut x = self.tok_embeddings.forward(input_ids)?;
+        let Some(first) = self.layers.first() else {
+            bail!("{OP}: the model has no layers");
+        };
+        // Each residual add runs with the norm after it (one kernel on CUDA);
+        // the last one with the output norm, over every row (the norm is
+        // per row, so selecting the rows after it changes nothing).
+        let mut normed = first.attn_norm.forward(&x)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = layer.attention(
-                &x.apply(&layer.attn_norm)?,
-                &rotary,
-                cache.layer(i),
-                metadata,
-            )?;
-            x = (x + h)?;
-            let h = layer.mlp(&x.apply(&layer.ffn_norm)?)?;
-            x = (x + h)?;
+            let h = layer.attention(&normed, &rotary, cache.layer(i), metadata)?;
+            (x, normed) = layer.ffn_norm.add_forward(&x, &h)?;
+            let h = layer.mlp(&normed)?;
+            let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.attn_norm);
+            (x, normed) = next.add_forward(&x, &h)?;
         }
-        let x = select_rows(OP, &x, rows)?.apply(&self.norm)?;
+        let x = select_rows(OP, &normed, rows)?;
         self.output.forward(&x)?.to_dtype(DType::F32)
     }
 }

@@ -9,6 +9,7 @@
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::metadata::AttentionMetadata;
+use crate::RotaryRows;
 
 const OP: &str = "rotary-embedding";
 
@@ -73,7 +74,7 @@ impl RotaryEmbedding {
         self.max_positions
     }
 
-    /// The cos/sin rows of the batch's tokens, `(num_tokens, 1, rotary_dim / 2)`.
+    /// The cos/sin rows of the batch's tokens, `(num_tokens, rotary_dim / 2)`.
     ///
     /// Fails when a position is `>= max_positions` (beyond the model's
     /// context length).
@@ -88,15 +89,14 @@ impl RotaryEmbedding {
         }
         let positions = metadata.positions();
         let n = positions.dim(0)?;
-        let half = self.inv_freq.dim(1)?;
         // (n, 1) x (1, half): one product per element, as the table's matmul.
         let freqs = positions
             .to_dtype(DType::F32)?
             .reshape((n, 1))?
             .broadcast_mul(&self.inv_freq)?;
         Ok(Rotary {
-            cos: freqs.cos()?.to_dtype(self.dtype)?.reshape((n, 1, half))?,
-            sin: freqs.sin()?.to_dtype(self.dtype)?.reshape((n, 1, half))?,
+            cos: freqs.cos()?.to_dtype(self.dtype)?,
+            sin: freqs.sin()?.to_dtype(self.dtype)?,
             interleaved: self.interleaved,
         })
     }
@@ -105,12 +105,24 @@ impl RotaryEmbedding {
 /// The rotary rows of one batch, shared by all layers using one table.
 #[derive(Clone, Debug)]
 pub struct Rotary {
+    /// `(num_tokens, rotary_dim / 2)`, the model's dtype.
     cos: Tensor,
+    /// `(num_tokens, rotary_dim / 2)`, the model's dtype.
     sin: Tensor,
     interleaved: bool,
 }
 
 impl Rotary {
+    /// The rows as the attention layer takes them
+    /// ([`Attention::forward_rotary_qkv`](crate::Attention::forward_rotary_qkv)).
+    pub fn rows(&self) -> RotaryRows<'_> {
+        RotaryRows {
+            cos: &self.cos,
+            sin: &self.sin,
+            interleaved: self.interleaved,
+        }
+    }
+
     /// Rotates each head of `x`.
     ///
     /// # Arguments
@@ -120,7 +132,8 @@ impl Rotary {
     /// Returns `(num_tokens, num_heads * head_size)`.
     pub fn apply(&self, x: &Tensor, num_heads: usize) -> Result<Tensor> {
         let n = x.dim(0)?;
-        let d = 2 * self.cos.dim(2)?;
+        let half = self.cos.dim(1)?;
+        let d = 2 * half;
         if self.cos.dim(0)? != n || x.elem_count() != n * num_heads * d {
             bail!(
                 "{OP}: x of shape {:?} is not ({}, {num_heads} heads x {d})",
@@ -130,10 +143,14 @@ impl Rotary {
         }
         // One "batch" per token, so each token reads its own cos/sin row.
         let x = x.reshape((n, num_heads, 1, d))?.contiguous()?;
+        let (cos, sin) = (
+            self.cos.reshape((n, 1, half))?,
+            self.sin.reshape((n, 1, half))?,
+        );
         let y = if self.interleaved {
-            candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)?
+            candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?
         } else {
-            candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)?
+            candle_nn::rotary_emb::rope(&x, &cos, &sin)?
         };
         y.reshape((n, num_heads * d))
     }

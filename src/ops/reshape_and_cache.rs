@@ -189,55 +189,83 @@ fn validate_pair(
             new.dims()
         );
     };
+    let new = NewRows {
+        num_tokens,
+        num_kv_heads,
+        head_size,
+        dtype: new.dtype(),
+        device: new.device(),
+    };
+    validate_write(OP, name, &new, cache, slot_mapping)
+}
+
+/// The rows a cache write stores: `(num_tokens, num_kv_heads, head_size)`
+/// of `dtype` on `device`.
+pub(crate) struct NewRows<'a> {
+    pub(crate) num_tokens: usize,
+    pub(crate) num_kv_heads: usize,
+    pub(crate) head_size: usize,
+    pub(crate) dtype: DType,
+    pub(crate) device: &'a candle_core::Device,
+}
+
+/// Checks that `new` rows can be stored into `cache` (named `{name}_cache`
+/// in errors of `op`) at `slot_mapping`: shapes, dtypes, devices,
+/// contiguity and every slot below the cache's capacity.
+pub(crate) fn validate_write(
+    op: &str,
+    name: &str,
+    new: &NewRows<'_>,
+    cache: &Tensor,
+    slot_mapping: &SlotMapping,
+) -> Result<()> {
+    let (num_tokens, num_kv_heads, head_size) = (new.num_tokens, new.num_kv_heads, new.head_size);
     let &[num_blocks, block_size, cache_heads, cache_head_size] = cache.dims() else {
         bail!(
-            "{OP}: {name}_cache must have rank 4 [num_blocks, block_size, num_kv_heads, head_size], got shape {:?}",
+            "{op}: {name}_cache must have rank 4 [num_blocks, block_size, num_kv_heads, head_size], got shape {:?}",
             cache.dims()
         );
     };
     if block_size == 0 || cache_heads == 0 || cache_head_size == 0 {
         bail!(
-            "{OP}: {name}_cache has block_size {block_size}, {cache_heads} heads and head_size {cache_head_size}; all must be positive"
+            "{op}: {name}_cache has block_size {block_size}, {cache_heads} heads and head_size {cache_head_size}; all must be positive"
         );
     }
-    if !matches!(new.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-        bail!(
-            "{OP}: {name} must be f32, f16 or bf16, got {:?}",
-            new.dtype()
-        );
+    if !matches!(new.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        bail!("{op}: {name} must be f32, f16 or bf16, got {:?}", new.dtype);
     }
-    if cache.dtype() != new.dtype() && cache.dtype() != DType::F8E4M3 {
+    if cache.dtype() != new.dtype && cache.dtype() != DType::F8E4M3 {
         bail!(
-            "{OP}: {name}_cache must be {:?} (the {name} dtype) or F8E4M3, got {:?}",
-            new.dtype(),
+            "{op}: {name}_cache must be {:?} (the {name} dtype) or F8E4M3, got {:?}",
+            new.dtype,
             cache.dtype()
         );
     }
-    if !new.device().same_device(cache.device()) {
+    if !new.device.same_device(cache.device()) {
         bail!(
-            "{OP}: {name} is on {:?} but {name}_cache is on {:?}",
-            new.device().location(),
+            "{op}: {name} is on {:?} but {name}_cache is on {:?}",
+            new.device.location(),
             cache.device().location()
         );
     }
     if !slot_mapping.slots().device().same_device(cache.device()) {
         bail!(
-            "{OP}: slot_mapping is on {:?} but {name}_cache is on {:?}",
+            "{op}: slot_mapping is on {:?} but {name}_cache is on {:?}",
             slot_mapping.slots().device().location(),
             cache.device().location()
         );
     }
     if !cache.is_contiguous() {
-        bail!("{OP}: {name}_cache must be contiguous");
+        bail!("{op}: {name}_cache must be contiguous");
     }
     if (cache_heads, cache_head_size) != (num_kv_heads, head_size) {
         bail!(
-            "{OP}: {name} has {num_kv_heads} heads of size {head_size} but {name}_cache has {cache_heads} heads of size {cache_head_size}"
+            "{op}: {name} has {num_kv_heads} heads of size {head_size} but {name}_cache has {cache_heads} heads of size {cache_head_size}"
         );
     }
     if slot_mapping.len() != num_tokens {
         bail!(
-            "{OP}: slot_mapping has {} entries but {name} has {num_tokens} tokens",
+            "{op}: slot_mapping has {} entries but {name} has {num_tokens} tokens",
             slot_mapping.len()
         );
     }
@@ -245,7 +273,7 @@ fn validate_pair(
         // A slot past i64::MAX rows cannot be named, so saturating is exact here.
         let capacity = i64::try_from(num_blocks.saturating_mul(block_size)).unwrap_or(i64::MAX);
         if max >= capacity {
-            bail!("{OP}: slot_mapping holds slot {max} >= num_blocks * block_size = {capacity}");
+            bail!("{op}: slot_mapping holds slot {max} >= num_blocks * block_size = {capacity}");
         }
     }
     Ok(())

@@ -1,0 +1,224 @@
+//! Launch plumbing of the fused layer ops on CUDA (kernels/layer_ops.cu):
+//! `rms_norm`, `add_rms_norm` and the gated activations. Each launch
+//! allocates its output and nothing else, so it can be captured in a CUDA
+//! graph.
+//!
+//! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
+
+use super::layer_shapes::{ACT_THREADS, NORM_THREADS};
+use super::{device_address, fill_nan, function, poison_outputs, ptx};
+use crate::params::GatedActivation;
+
+const MODULE: &str = "candle_paged_attention.layer_ops";
+
+/// The rows and columns of a norm call and its arithmetic.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NormShape {
+    /// Rows normalised (one program each).
+    pub(crate) rows: usize,
+    /// Elements per row.
+    pub(crate) cols: usize,
+    pub(crate) eps: f32,
+    /// Added to each weight in f32 (1 for Gemma's `1 + w` norms).
+    pub(crate) weight_offset: f32,
+}
+
+fn dtype_name(op: &str, dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        dt => bail!("{op}: expected f32, f16 or bf16, got {dt:?}"),
+    })
+}
+
+fn contiguous(op: &str, name: &str, layout: &Layout) -> Result<()> {
+    if layout.contiguous_offsets().is_none() {
+        bail!("{op}: {name} must be contiguous");
+    }
+    Ok(())
+}
+
+/// An uninitialised output of `n` (at least 1) elements of `dtype`, filled
+/// with NaN when poisoning is on.
+fn alloc_output(op: &str, dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+    fn alloc<T: CudaDType + DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
+        // SAFETY: every element is written by the kernel before anything
+        // reads it (poisoning, when on, fills it with NaN first).
+        let slice = unsafe { dev.alloc::<T>(n)? };
+        Ok(CudaStorage::wrap_cuda_slice(slice, dev.clone()))
+    }
+    let n = n.max(1);
+    let out = match dtype {
+        DType::F32 => alloc::<f32>(dev, n)?,
+        DType::F16 => alloc::<half::f16>(dev, n)?,
+        DType::BF16 => alloc::<half::bf16>(dev, n)?,
+        dt => bail!("{op}: cannot allocate a {dt:?} output"),
+    };
+    if poison_outputs() {
+        let stream = dev.cuda_stream();
+        let layout = Layout::contiguous(n);
+        let (addr, _sync) = device_address(&out, &layout, &stream);
+        fill_nan(addr, n * dtype.size_in_bytes(), &stream)?;
+    }
+    Ok(out)
+}
+
+fn grid(op: &str, programs: usize) -> Result<u32> {
+    u32::try_from(programs)
+        .map_err(|_| candle_core::Error::Msg(format!("{op}: {programs} programs is too many")))
+}
+
+/// `rms_norm` (no `delta`) or `add_rms_norm` of `x` `(rows, cols)` with
+/// `weight` `(cols,)`, all contiguous and of one dtype; `delta` `(rows, cols)`
+/// of that dtype or f32. Returns `(rows, cols)` normalised values, or for
+/// `add_rms_norm` `(2, rows, cols)`: `x + delta`, then the normalised sum.
+pub(crate) fn norm(
+    op: &str,
+    shape: NormShape,
+    x: (&CudaStorage, &Layout),
+    delta: Option<(&CudaStorage, &Layout)>,
+    weight: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dtype = x.0.dtype();
+    let t = dtype_name(op, dtype)?;
+    contiguous(op, "x", x.1)?;
+    contiguous(op, "weight", weight.1)?;
+    let n = shape.rows * shape.cols;
+    let dev = x.0.device().clone();
+    let stream = dev.cuda_stream();
+    let outputs = if delta.is_some() { 2 } else { 1 };
+    let out = alloc_output(op, &dev, dtype, outputs * n)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    // The guards end with this block, before `out` is returned.
+    {
+        let (x_addr, _x_sync) = device_address(x.0, x.1, &stream);
+        let (w_addr, _w_sync) = device_address(weight.0, weight.1, &stream);
+        let (out_addr, _out_sync) = device_address(&out, &Layout::contiguous(outputs * n), &stream);
+        let cols = i64::try_from(shape.cols)
+            .map_err(|_| candle_core::Error::Msg(format!("{op}: {} columns", shape.cols)))?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid(op, shape.rows)?, 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (eps, offset) = (shape.eps, shape.weight_offset);
+        match delta {
+            None => {
+                let func = function(&dev, &format!("rms_norm_{t}"), MODULE, ptx::LAYER_OPS, 0)?;
+                let mut b = stream.launch_builder(&func);
+                b.arg(&x_addr);
+                b.arg(&w_addr);
+                b.arg(&out_addr);
+                b.arg(&cols);
+                b.arg(&eps);
+                b.arg(&offset);
+                // SAFETY: `x` and `out` hold rows * cols elements and `weight`
+                // cols elements of the kernel's type (checked above and by the
+                // op); the guards keep them alive and ordered past the launch.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            Some((d, dl)) => {
+                contiguous(op, "delta", dl)?;
+                let dn = match d.dtype() {
+                    dt if dt == dtype => t,
+                    DType::F32 => "f32",
+                    dt => bail!("{op}: delta must be {dtype:?} or f32, got {dt:?}"),
+                };
+                let func = function(
+                    &dev,
+                    &format!("add_rms_norm_{t}_{dn}"),
+                    MODULE,
+                    ptx::LAYER_OPS,
+                    0,
+                )?;
+                let (d_addr, _d_sync) = device_address(d, dl, &stream);
+                let norm_addr = out_addr + (n * dtype.size_in_bytes()) as u64;
+                let mut b = stream.launch_builder(&func);
+                b.arg(&x_addr);
+                b.arg(&d_addr);
+                b.arg(&w_addr);
+                b.arg(&out_addr);
+                b.arg(&norm_addr);
+                b.arg(&cols);
+                b.arg(&eps);
+                b.arg(&offset);
+                // SAFETY: `x` and `delta` hold rows * cols elements, `weight`
+                // cols, and `out` 2 * rows * cols of the kernel's types (checked
+                // above and by the op); the guards keep them alive and ordered
+                // past the launch.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `act(gate) * up` of `gate_up` `(rows, 2 * inter)` (contiguous; gate
+/// columns first), as `(rows, inter)` of `out_dtype`: the input's dtype, or
+/// f16/bf16 for an f32 input.
+pub(crate) fn gated(
+    op: &str,
+    act: GatedActivation,
+    gate_up: (&CudaStorage, &Layout),
+    rows: usize,
+    inter: usize,
+    out_dtype: DType,
+) -> Result<CudaStorage> {
+    let tin = dtype_name(op, gate_up.0.dtype())?;
+    let tout = dtype_name(op, out_dtype)?;
+    if tin != tout && tin != "f32" {
+        bail!("{op}: a {tin} input gives a {tin} output, not {tout}");
+    }
+    contiguous(op, "gate_up", gate_up.1)?;
+    let dev = gate_up.0.device().clone();
+    let stream = dev.cuda_stream();
+    let n = rows * inter;
+    let out = alloc_output(op, &dev, out_dtype, n)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let name = match act {
+        GatedActivation::Silu => "silu",
+        GatedActivation::GeluTanh => "gelu_tanh",
+    };
+    let func = function(
+        &dev,
+        &format!("{name}_mul_{tin}_{tout}"),
+        MODULE,
+        ptx::LAYER_OPS,
+        0,
+    )?;
+    // The guards end with this block, before `out` is returned.
+    {
+        let (in_addr, _in_sync) = device_address(gate_up.0, gate_up.1, &stream);
+        let (out_addr, _out_sync) = device_address(&out, &Layout::contiguous(n), &stream);
+        let (Ok(rows_i), Ok(inter_i)) = (i64::try_from(rows), i64::try_from(inter)) else {
+            bail!("{op}: {rows} rows of {inter} do not fit 64-bit offsets");
+        };
+        // Grid-stride loop: at most 65536 programs, each looping as needed.
+        let programs = n.div_ceil(ACT_THREADS as usize).min(1 << 16);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(op, programs)?, 1, 1),
+            block_dim: (ACT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&func);
+        b.arg(&in_addr);
+        b.arg(&out_addr);
+        b.arg(&rows_i);
+        b.arg(&inter_i);
+        // SAFETY: `gate_up` holds rows * 2 * inter elements and `out` rows *
+        // inter of the kernel's types (checked above and by the op); the guards
+        // keep them alive and ordered past the launch.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(out)
+}

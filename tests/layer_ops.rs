@@ -1,0 +1,228 @@
+//! The fused layer ops (`rms_norm`, `add_rms_norm`, `gated_activation`)
+//! against an f64 reference computed here from the inputs, on the CPU and,
+//! with the `cuda` feature, on the GPU (run with
+//! `CANDLE_PAGED_ATTENTION_POISON=1` there so that an element a kernel
+//! forgets to write is NaN).
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_paged_attention::{add_rms_norm, gated_activation, rms_norm, GatedActivation};
+use rstest::rstest;
+
+fn devices() -> Vec<Device> {
+    vec![
+        Device::Cpu,
+        #[cfg(feature = "cuda")]
+        Device::new_cuda(0).expect("a CUDA device"),
+    ]
+}
+
+/// Values of `t` as f64, row-major.
+fn values(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+}
+
+/// Tolerance of one rounding to `dtype` of values up to `scale`, plus f32
+/// reassociation of a sum of `terms` terms.
+fn tolerance(dtype: DType, scale: f64, terms: usize) -> f64 {
+    let eps = match dtype {
+        DType::BF16 => 2f64.powi(-8),
+        DType::F16 => 2f64.powi(-11),
+        _ => 2f64.powi(-24),
+    };
+    scale * (eps + terms as f64 * 2f64.powi(-24))
+}
+
+fn assert_close(what: &str, got: &[f64], want: &[f64], tol: &dyn Fn(f64) -> f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol(*w),
+            "{what}: element {i}: got {g}, want {w} (tolerance {})",
+            tol(*w)
+        );
+    }
+}
+
+/// The reference norm of rows of `cols` values (already rounded inputs).
+fn ref_norm(x: &[f64], w: &[f64], cols: usize, eps: f64, off: f64) -> Vec<f64> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks(cols) {
+        let ms = row.iter().map(|v| v * v).sum::<f64>() / cols as f64;
+        let r = 1. / (ms + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(v, w)| v * r * (w + off)));
+    }
+    out
+}
+
+#[rstest]
+fn rms_norm_matches_reference(
+    #[values(DType::F32, DType::BF16, DType::F16)] dtype: DType,
+    #[values((1, 1), (3, 577), (5, 4096), (2, 8193))] shape: (usize, usize),
+    #[values(0.0, 1.0)] offset: f32,
+) -> Result<()> {
+    let (rows, cols) = shape;
+    for dev in devices() {
+        let x = (Tensor::randn(0f32, 2., (rows, cols), &dev)? + 0.5)?.to_dtype(dtype)?;
+        let w = Tensor::randn(0f32, 1., cols, &dev)?.to_dtype(dtype)?;
+        let y = rms_norm(&x, &w, 1e-5, offset)?;
+        assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
+        let want = ref_norm(
+            &values(&x)?,
+            &values(&w)?,
+            cols,
+            1e-5f32 as f64,
+            offset as f64,
+        );
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+        let tol = |_w: f64| tolerance(dtype, scale, cols) * 2.;
+        assert_close(
+            &format!("rms_norm {dev:?} {dtype:?} {shape:?}"),
+            &values(&y)?,
+            &want,
+            &tol,
+        );
+    }
+    Ok(())
+}
+
+#[rstest]
+fn add_rms_norm_matches_reference(
+    #[values(DType::F32, DType::BF16, DType::F16)] dtype: DType,
+    #[values(false, true)] f32_delta: bool,
+    #[values((1, 64), (7, 576), (3, 5001))] shape: (usize, usize),
+) -> Result<()> {
+    let (rows, cols) = shape;
+    for dev in devices() {
+        let x = Tensor::randn(0f32, 1., (rows, cols), &dev)?.to_dtype(dtype)?;
+        let dd = if f32_delta { DType::F32 } else { dtype };
+        let delta = Tensor::randn(0f32, 1., (rows, cols), &dev)?.to_dtype(dd)?;
+        let w = Tensor::randn(0f32, 1., cols, &dev)?.to_dtype(dtype)?;
+        let (sum, normed) = add_rms_norm(&x, &delta, &w, 1e-6, 1.0)?;
+        assert_eq!((sum.dims(), sum.dtype()), (x.dims(), dtype));
+        assert_eq!((normed.dims(), normed.dtype()), (x.dims(), dtype));
+        // The sum is one rounding of the exact sum.
+        let exact: Vec<f64> = values(&x)?
+            .iter()
+            .zip(values(&delta)?)
+            .map(|(a, b)| a + b)
+            .collect();
+        let got_sum = values(&sum)?;
+        let tol = |w: f64| tolerance(dtype, w.abs(), 0) + 1e-30;
+        let what = format!("add_rms_norm sum {dev:?} {dtype:?} {dd:?} {shape:?}");
+        assert_close(&what, &got_sum, &exact, &tol);
+        // The norm reads the rounded sum.
+        let want = ref_norm(&got_sum, &values(&w)?, cols, 1e-6f32 as f64, 1.0);
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let tol = |_w: f64| tolerance(dtype, scale, cols) * 2.;
+        let what = format!("add_rms_norm norm {dev:?} {dtype:?} {dd:?} {shape:?}");
+        assert_close(&what, &values(&normed)?, &want, &tol);
+    }
+    Ok(())
+}
+
+fn ref_act(act: GatedActivation, g: f64) -> f64 {
+    match act {
+        GatedActivation::Silu => g / (1. + (-g).exp()),
+        GatedActivation::GeluTanh => {
+            let k = (2. / std::f64::consts::PI).sqrt();
+            0.5 * g * (1. + (k * (g + 0.044715 * g * g * g)).tanh())
+        }
+    }
+}
+
+#[rstest]
+fn gated_activation_matches_reference(
+    #[values(GatedActivation::Silu, GatedActivation::GeluTanh)] act: GatedActivation,
+    #[values(
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::F32, DType::BF16),
+        (DType::F32, DType::F16)
+    )]
+    dtypes: (DType, DType),
+    #[values((1, 1), (9, 1536), (3, 70001))] shape: (usize, usize),
+) -> Result<()> {
+    let (rows, inter) = shape;
+    let (din, dout) = dtypes;
+    for dev in devices() {
+        let gu = (Tensor::randn(0f32, 3., (rows, 2 * inter), &dev)?).to_dtype(din)?;
+        let y = gated_activation(&gu, act, dout)?;
+        assert_eq!((y.dims(), y.dtype()), (&[rows, inter][..], dout));
+        let v = values(&gu)?;
+        let want: Vec<f64> = v
+            .chunks(2 * inter)
+            .flat_map(|r| {
+                let (g, u) = r.split_at(inter);
+                g.iter()
+                    .zip(u)
+                    .map(|(g, u)| ref_act(act, *g) * u)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        // One rounding, plus f32 exp/tanh error relative to the magnitude.
+        let tol = |w: f64| tolerance(dout, w.abs(), 0) + 1e-5 * w.abs() + 1e-6;
+        let what = format!("gated {act:?} {dev:?} {dtypes:?} {shape:?}");
+        assert_close(&what, &values(&y)?, &want, &tol);
+    }
+    Ok(())
+}
+
+#[test]
+fn nan_propagates_and_stays_in_its_row() -> Result<()> {
+    for dev in devices() {
+        let mut x = vec![1f32; 3 * 8];
+        x[9] = f32::NAN;
+        let x = Tensor::from_vec(x, (3, 8), &dev)?;
+        let w = Tensor::ones(8, DType::F32, &dev)?;
+        let y = values(&rms_norm(&x, &w, 1e-5, 0.)?)?;
+        assert!(y[8..16].iter().all(|v| v.is_nan()), "{dev:?}: row 1 {y:?}");
+        assert!(y[..8].iter().chain(&y[16..]).all(|v| v.is_finite()));
+        let zero = Tensor::zeros((3, 8), DType::F32, &dev)?;
+        let (s, n) = add_rms_norm(&zero, &x, &w, 1e-5, 0.)?;
+        assert!(values(&s)?[9].is_nan() && values(&n)?[8..16].iter().all(|v| v.is_nan()));
+        let gu = Tensor::from_vec(vec![f32::NAN, 1., 2., 3.], (1, 4), &dev)?;
+        let g = values(&gated_activation(&gu, GatedActivation::Silu, DType::F32)?)?;
+        assert!(g[0].is_nan() && g[1].is_finite(), "{dev:?}: {g:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_arguments_are_errors_naming_the_op() -> Result<()> {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 8), DType::F32, &dev)?;
+    let msg = |r: candle_core::Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
+    let w7 = Tensor::ones(7, DType::F32, &dev)?;
+    assert!(msg(rms_norm(&x, &w7, 1e-5, 0.)).contains("rms-norm: weight must be (8,)"));
+    let wb = Tensor::ones(8, DType::BF16, &dev)?;
+    assert!(msg(rms_norm(&x, &wb, 1e-5, 0.)).contains("rms-norm: weight is BF16 but x is F32"));
+    let w = Tensor::ones(8, DType::F32, &dev)?;
+    assert!(msg(rms_norm(&x, &w, f32::NAN, 0.)).contains("rms-norm: eps must be finite"));
+    let d = Tensor::zeros((2, 9), DType::F32, &dev)?;
+    let e = add_rms_norm(&x, &d, &w, 1e-5, 0.)
+        .err()
+        .map(|e| e.to_string());
+    assert!(e
+        .unwrap_or_default()
+        .contains("add-rms-norm: delta must have x's shape"));
+    let xb = x.to_dtype(DType::BF16)?;
+    let d16 = Tensor::zeros((2, 8), DType::F16, &dev)?;
+    let e = add_rms_norm(&xb, &d16, &wb, 1e-5, 0.)
+        .err()
+        .map(|e| e.to_string());
+    assert!(e
+        .unwrap_or_default()
+        .contains("add-rms-norm: delta must be BF16 or f32, got F16"));
+    let odd = Tensor::zeros((2, 7), DType::F32, &dev)?;
+    assert!(
+        msg(gated_activation(&odd, GatedActivation::Silu, DType::F32))
+            .contains("gated-activation: gate_up has an odd width 7")
+    );
+    assert!(
+        msg(gated_activation(&xb, GatedActivation::Silu, DType::F32))
+            .contains("gated-activation: a BF16 gate_up cannot give a F32 output")
+    );
+    Ok(())
+}
