@@ -13,10 +13,11 @@
 //   an online softmax, rescaling its accumulator only when a row's maximum
 //   moved; warps that split the keys of a tile are merged at the end. With
 //   one segment the program writes the output; with several it writes
-//   (max, sum, unnormalised output) partials that `reduce_segments_*`
-//   merges. fp8 caches are dequantised in shared memory to f16 and run f16
-//   MMAs, the queries scaled per row by a power of two into f16's range.
-// * `reduce_segments_{f16|bf16}`: merges the split-KV partials (and the sinks).
+//   (max, sum, unnormalised output) partials, and the last program of its
+//   group to finish merges them into the output (see "Split KV" below), so
+//   a split call is still one launch. fp8 caches are dequantised in shared
+//   memory to f16 and run f16 MMAs, the queries scaled per row by a power
+//   of two into f16's range.
 // * `unified_attention_scalar_f32[_fp8]`: the f32 path, one warp per
 //   (query row, query head), one key at a time.
 //
@@ -52,8 +53,38 @@
 //   one block barrier.
 // * write_output: each valid row's columns summed over the warps, then
 //   normalised with the sink (one segment) or stored as split-KV partials.
-// `reduce_body` and `ScalarProgram` (the f32 path) follow the same order:
-// locate, load, attend or merge, write.
+// * split KV only: arrive, and for the last program of the group
+//   merge_segments (below).
+// `ScalarProgram` (the f32 path) follows the same order: locate, load,
+// attend, write.
+//
+// Split KV (num_segments S > 1). The gridDim.z = S x value-chunk programs
+// that share a (blockIdx.x, blockIdx.y) own the same packed rows; together
+// they are a group, with one arrival counter, ws_counters[y * gridDim.x + x].
+// Either every program of a group passes `locate` or none does (it depends
+// on the sequence and query block only), so a group that starts finishes.
+// * Each program stores its partials to the workspace: per (partial row,
+//   head, segment) the unnormalised output columns of its value chunk (times
+//   v_scale) and, from value chunk 0, the (max, sum) pair. An empty segment
+//   (none of its tiles holds a key the rows see, e.g. past a short
+//   sequence's end) skips Q and the key loop and stores (-inf, 0) pairs
+//   only; the merge skips segments whose sum is 0 and never reads their
+//   columns.
+// * Arrival: every thread fences (__threadfence: its partial stores are
+//   visible device-wide before anything it does next), one block barrier,
+//   then thread 0 adds 1 to the counter (atomicAdd). The program that reads
+//   back gridDim.z - 1 is the last of its group: every other program's
+//   stores were fenced before its increment.
+// * Merge, by that last program only: a __threadfence (acquire side), then
+//   it reads every segment's partials through L2 (__ldcg, never a stale L1
+//   line), merges them exactly as one program would (common maximum over
+//   the segments with a nonzero sum and the sink, NaN-propagating; columns
+//   weighted by exp2(m_s - M); normalised; fp8 output scaled) and writes
+//   every column of the group's rows, all value chunks. It then sets the
+//   counter back to 0 (atomicExch), so counters are zero between launches:
+//   the buffer is zeroed once when allocated and a CUDA graph can replay the
+//   launch as it is. The two launches of a mixed batch run one after the
+//   other on one stream and reuse the same counters.
 //
 // Semantics follow the CPU reference (src/cpu/paged_attention.rs): causal and
 // window mask, then bidirectional prefix ranges; scale * q.k, softcap, -inf
@@ -1015,15 +1046,23 @@ struct AttnProgram {
     }
   }
 
+  // Index of segment 0's partial of packed row `ri` (partials
+  // [partial rows, num_heads, S]): partial rows are tokens, or (sequence,
+  // row) for a mixed batch's decode launch.
+  __device__ __forceinline__ int64_t partial_base(const RowInfo& ri) const {
+    const int64_t prow =
+        p.ws_seq_rows > 0 ? (int64_t)seq * p.ws_seq_rows + ri.q_rel : (int64_t)q_start + ri.q_rel;
+    return (prow * p.num_heads + ri.head) * p.num_segments;
+  }
+
   // Split KV: the segment's unnormalised columns (times v_scale) and, once
-  // per row, its (max, sum) to the workspace, for `reduce_segments_*`.
-  __device__ __forceinline__ void store_partial(const RowInfo& ri, int64_t token, int S, int gcol0, int ncols,
-                                                float M, float L, const float (&o)[8]) const {
+  // per row, its (max, sum) to the workspace, for `merge_segments`.
+  __device__ __forceinline__ void store_partial(const RowInfo& ri, int gcol0, int ncols, float M, float L,
+                                                const float (&o)[8]) const {
     const AttnParams& p = this->p;
-    const int hs = this->hs, seg = this->seg, seq = this->seq;
+    const int hs = this->hs, seg = this->seg;
     const bool vec = this->vec;
-    const int64_t prow = p.ws_seq_rows > 0 ? (int64_t)seq * p.ws_seq_rows + ri.q_rel : token;
-    const int64_t pi = (prow * p.num_heads + ri.head) * S + seg;
+    const int64_t pi = partial_base(ri) + seg;
     float* wa = p.ws_acc + pi * hs + gcol0;
     if (ncols == 8 && vec) {
       reinterpret_cast<float4*>(wa)[0] = make_float4(o[0] * p.v_scale, o[1] * p.v_scale, o[2] * p.v_scale, o[3] * p.v_scale);
@@ -1056,91 +1095,165 @@ struct AttnProgram {
       merged_row(r, d0, M, L, o);
       const int64_t token = q_start + ri.q_rel;
       if (S == 1) store_output(token, ri.head, gcol0, ncols, M, L, o);
-      else store_partial(ri, token, S, gcol0, ncols, M, L, o);
+      else store_partial(ri, gcol0, ncols, M, L, o);
+    }
+  }
+
+  // ---- split KV: arrival and the last program's merge (see "Split KV" at the top) ----
+
+  // An empty segment: a (-inf, 0) pair for each valid row (from value chunk
+  // 0, as `store_partial` does), no columns.
+  __device__ __forceinline__ void store_empty_partials() const {
+    if (dvc != 0) return;
+    for (int r = tid; r < BM; r += NT) {
+      const RowInfo ri = row_info(r);
+      if (!ri.valid) continue;
+      const int64_t pi = partial_base(ri) + seg;
+      p.ws_ml[2 * pi] = neg_inf();
+      p.ws_ml[2 * pi + 1] = 0.f;
+    }
+  }
+
+  // Counts this program into its group once its partials are stored; true
+  // for the last program of the group, which then merges. Every thread of
+  // the program calls it (two block barriers).
+  __device__ __forceinline__ bool arrive() const {
+    uint32_t* counter = p.ws_counters + (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+    __threadfence();  // release: this thread's partial stores before the count
+    __syncthreads();  // every thread of the program has stored and fenced
+    int last = 0;
+    if (tid == 0) last = atomicAdd(counter, 1u) == gridDim.z - 1;
+    if (!__syncthreads_or(last)) return false;
+    __threadfence();  // acquire: the group's partials after its counts
+    // Every program of the group has counted: zero for the next launch.
+    if (tid == 0) atomicExch(counter, 0u);
+    return true;
+  }
+
+  // The common maximum M and total sum L over the S segments from `base` and
+  // the head's sink. A segment's sum is 0 when it saw no key of the row (it
+  // is skipped: selected, not multiplied), else >= 1 or NaN; NaN sums and
+  // maxima propagate through the NaN-aware max into every term.
+  __device__ __forceinline__ void segments_max_sum(int64_t base, int head, float& M, float& L) const {
+    const float* ml = p.ws_ml;
+    const int S = p.num_segments;
+    M = neg_inf();
+    for (int s = 0; s < S; ++s) {
+      if (__ldcg(ml + 2 * (base + s) + 1) != 0.f) M = max_nan(M, __ldcg(ml + 2 * (base + s)));
+    }
+    float s2 = neg_inf();
+    if (p.sinks != nullptr) {
+      s2 = p.sinks[head] * LOG2E;
+      M = max_nan(M, s2);
+    }
+    L = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float l = __ldcg(ml + 2 * (base + s) + 1);
+      if (l != 0.f) L += l * exp2f(__ldcg(ml + 2 * (base + s)) - M);
+    }
+    if (p.sinks != nullptr) L += sink_mass(s2, M);
+  }
+
+  // The last program of a split group: each valid row's common maximum and
+  // 1 / sum (into red_m / red_l) and its segments' weights exp2(m_s - M)
+  // (into the tile region while BM x S of them fit, else recomputed per
+  // column chunk), one block barrier, then every column of the row (all
+  // value chunks), four per step, as the weighted sum of the segments'
+  // columns, normalised, to the output.
+  __device__ __forceinline__ void merge_segments() const {
+    const AttnParams& p = this->p;
+    const int tid = this->tid, hs = this->hs, q_start = this->q_start;
+    const int S = p.num_segments;
+    float* row_m = this->red_m;
+    float* row_inv = this->red_l;
+    float* wts = this->merge;  // [BM][S] when they fit
+    constexpr int REGION_FLOATS = (SM::TILES > SM::MERGE ? SM::TILES : SM::MERGE) / 4;
+    const bool wts_fit = BM * S <= REGION_FLOATS;
+    // Weight of a segment the merge skips (a real weight is >= 0 or NaN).
+    constexpr float SKIP = -1.f;
+    const float* ml = p.ws_ml;
+    for (int r = tid; r < BM; r += NT) {
+      const RowInfo ri = row_info(r);
+      if (!ri.valid) continue;
+      const int64_t base = partial_base(ri);
+      float M, L;
+      segments_max_sum(base, ri.head, M, L);
+      row_m[r] = M;
+      // L is 0 only for a row that saw no key and has no sink mass (every
+      // segment is skipped, so its columns are an exact 0); else >= 1 or NaN.
+      row_inv[r] = L == 0.f ? 0.f : 1.f / L;
+      if (wts_fit) {
+        for (int s = 0; s < S; ++s)
+          wts[r * S + s] =
+              __ldcg(ml + 2 * (base + s) + 1) != 0.f ? exp2f(__ldcg(ml + 2 * (base + s)) - M) : SKIP;
+      }
+    }
+    __syncthreads();
+    const int C4 = (hs + 3) / 4;
+    const bool vec4 = (hs & 3) == 0;
+    for (int idx = tid; idx < BM * C4; idx += NT) {
+      const int r = idx / C4, col = (idx % C4) * 4;
+      const RowInfo ri = row_info(r);
+      if (!ri.valid) continue;
+      const int64_t base = partial_base(ri);
+      const float M = row_m[r];
+      float o[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < S; ++s) {
+        const float w = wts_fit ? wts[r * S + s]
+                        : __ldcg(ml + 2 * (base + s) + 1) != 0.f ? exp2f(__ldcg(ml + 2 * (base + s)) - M)
+                                                                 : SKIP;
+        if (w == SKIP) continue;
+        const float* a = p.ws_acc + (base + s) * hs + col;
+        if (vec4) {
+          const float4 x = __ldcg(reinterpret_cast<const float4*>(a));
+          o[0] += x.x * w;
+          o[1] += x.y * w;
+          o[2] += x.z * w;
+          o[3] += x.w * w;
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (col + e < hs) o[e] += __ldcg(a + e) * w;
+        }
+      }
+      const float inv = row_inv[r];
+      const int64_t oi = ((int64_t)(q_start + ri.q_rel) * p.num_heads + ri.head) * hs + col;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (col + e >= hs) continue;
+        const float y = o[e] * inv;
+        if (p.out_fp8) static_cast<fp8_t*>(p.out)[oi + e] = from_f32<fp8_t>(y * p.out_inv_scale);
+        else static_cast<T*>(p.out)[oi + e] = from_f32<T>(y);
+      }
     }
   }
 };
 
 // One tensor-core program: its rows and keys, Q staged, its segment's key
 // tiles streamed and accumulated, its warps merged, the output (or the
-// split-KV partials) written.
+// split-KV partials) written; with split KV, the last program of the group
+// then merges the partials into the output.
 template <typename T, typename C, class CF>
 __device__ __forceinline__ void attention_body(const AttnParams& p) {
   AttnProgram<T, C, CF> prog(p);
   if (!prog.locate()) return;
-  prog.load_q();
-  prog.init_tables();
-  using Prog = AttnProgram<T, C, CF>;
-  // This thread's fragment rows: score scales, running maxima and sums, and
-  // its WR x DV accumulator fragments.
-  typename Prog::RowMax rsc, rsc_log2, m_run, l_run;
-  typename Prog::Acc acc;
-  prog.init_rows(rsc, rsc_log2, acc, m_run, l_run);
-  prog.key_loop(rsc, rsc_log2, acc, m_run, l_run);
-  prog.merge_warps(acc, m_run, l_run);
-  prog.write_output();
-}
-
-// The partial row `row` of a split-KV launch as an output token; false when
-// a mixed batch's decode launch holds no such row ((sequence, row) partials
-// of a sequence another launch owns, or past its new tokens).
-__device__ __forceinline__ bool reduce_token(const AttnParams& p, int row, int64_t& token) {
-  token = row;
-  if (p.ws_seq_rows > 0) {
-    // (sequence, row) partials of a mixed batch's decode launch.
-    const int seq = row / p.ws_seq_rows, q_rel = row % p.ws_seq_rows;
-    const int q_len = (int)(p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]);
-    if (q_len < p.q_len_min || q_len > p.q_len_max || q_rel >= q_len) return false;
-    token = (int64_t)p.cu_seqlens_q[seq] + q_rel;
+  const bool split = p.num_segments > 1;
+  if (split && prog.t_begin >= prog.t_end) {
+    prog.store_empty_partials();
+  } else {
+    prog.load_q();
+    prog.init_tables();
+    using Prog = AttnProgram<T, C, CF>;
+    // This thread's fragment rows: score scales, running maxima and sums, and
+    // its WR x DV accumulator fragments.
+    typename Prog::RowMax rsc, rsc_log2, m_run, l_run;
+    typename Prog::Acc acc;
+    prog.init_rows(rsc, rsc_log2, acc, m_run, l_run);
+    prog.key_loop(rsc, rsc_log2, acc, m_run, l_run);
+    prog.merge_warps(acc, m_run, l_run);
+    prog.write_output();
   }
-  return true;
-}
-
-// The common maximum M and total sum L of the S segments at `base` and the
-// head's sink. A segment's sum is 0 when it saw no key of this row (it is
-// skipped: selected, not multiplied), else >= 1 or NaN. NaN sums and maxima
-// propagate through the NaN-aware max into every term.
-__device__ __forceinline__ void reduce_max_sum(const AttnParams& p, int64_t base, int head, float& M, float& L) {
-  const int S = p.num_segments;
-  M = neg_inf();
-  for (int s = 0; s < S; ++s) {
-    if (p.ws_ml[2 * (base + s) + 1] != 0.f) M = max_nan(M, p.ws_ml[2 * (base + s)]);
-  }
-  float s2 = neg_inf();
-  if (p.sinks != nullptr) {
-    s2 = p.sinks[head] * LOG2E;
-    M = max_nan(M, s2);
-  }
-  L = 0.f;
-  for (int s = 0; s < S; ++s) {
-    const float l = p.ws_ml[2 * (base + s) + 1];
-    if (l != 0.f) L += l * exp2f(p.ws_ml[2 * (base + s)] - M);
-  }
-  if (p.sinks != nullptr) L += sink_mass(s2, M);
-}
-
-// Merges the split-KV partials of one (partial row, head) and the head's
-// sink. Grid (partial rows, num_heads), any block size.
-template <typename T>
-__device__ __forceinline__ void reduce_body(const AttnParams& p) {
-  const int row = blockIdx.x, head = blockIdx.y, S = p.num_segments, hs = p.head_size;
-  int64_t token;
-  if (!reduce_token(p, row, token)) return;
-  const int64_t base = ((int64_t)row * p.num_heads + head) * S;
-  float M, L;
-  reduce_max_sum(p, base, head, M, L);
-  const float inv = L == 0.f ? 0.f : 1.f / L;
-  for (int d = threadIdx.x; d < hs; d += blockDim.x) {
-    float o = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float l = p.ws_ml[2 * (base + s) + 1];
-      if (l != 0.f) o += p.ws_acc[(base + s) * hs + d] * exp2f(p.ws_ml[2 * (base + s)] - M);
-    }
-    const float y = o * inv;
-    const int64_t oi = ((int64_t)token * p.num_heads + head) * hs + d;
-    if (p.out_fp8) static_cast<fp8_t*>(p.out)[oi] = from_f32<fp8_t>(y * p.out_inv_scale);
-    else static_cast<T*>(p.out)[oi] = from_f32<T>(y);
-  }
+  if (split && prog.arrive()) prog.merge_segments();
 }
 
 // The f32 path: one warp per (query row, query head); lane l holds columns
@@ -1342,9 +1455,6 @@ CPA_ATTN_HEAD(512, 1, 32, 1)
 CPA_ATTN_M1(32)
 CPA_ATTN_M1(64)
 CPA_ATTN_M1(128)
-
-extern "C" __global__ void reduce_segments_bf16(const AttnParams p) { reduce_body<__nv_bfloat16>(p); }
-extern "C" __global__ void reduce_segments_f16(const AttnParams p) { reduce_body<__half>(p); }
 
 extern "C" __global__ void __launch_bounds__(128) unified_attention_scalar_f32(const AttnParams p) {
   scalar_body<float>(p);
