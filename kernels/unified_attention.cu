@@ -13,11 +13,13 @@
 //   an online softmax, rescaling its accumulator only when a row's maximum
 //   moved; warps that split the keys of a tile are merged at the end. With
 //   one segment the program writes the output; with several it writes
-//   (max, sum, unnormalised output) partials, and the last program of its
-//   group to finish merges them into the output (see "Split KV" below), so
-//   a split call is still one launch. fp8 caches are dequantised in shared
-//   memory to f16 and run f16 MMAs, the queries scaled per row by a power
-//   of two into f16's range.
+//   (max, sum, unnormalised output) partials, and in decode-shaped launches
+//   the last program of its group to finish merges them into the output
+//   (see "Split KV" below), so a split decode is still one launch. fp8
+//   caches are dequantised in shared memory to f16 and run f16 MMAs, the
+//   queries scaled per row by a power of two into f16's range.
+// * `reduce_segments_{f16|bf16}`: merges the split-KV partials (and the
+//   sinks) of a prefill-shaped launch.
 // * `unified_attention_scalar_f32[_fp8]`: the f32 path, one warp per
 //   (query row, query head), one key at a time.
 //
@@ -27,6 +29,7 @@
 //   rows x GE heads of one KV group, packed as rows of the MMA M dimension),
 //   the keys [k_lo, k_hi) its rows see (causal / window span plus the prefix
 //   ranges that meet it) and its segment's tiles [t_begin, t_end) of BN keys.
+//   The sequence's cu_seqlens_q pair and seq_lens entry are read together.
 // * load_q: the BM x HEAD packed query tile into sQ. fp8 caches scale and
 //   convert it with plain stores behind four block barriers; 16-bit caches
 //   copy it with cp.async into the first tile's group.
@@ -34,8 +37,10 @@
 //   holds a real row, the per-row score scales, empty accumulators.
 // * key_loop: the prologue writes the key offsets of the first STAGES tiles
 //   (threads tid < BN, one key each, from block-table entries read a tile
-//   ahead), one block barrier, then issues the first STAGES - 1 tiles as one
-//   cp.async group each. Iteration t waits until at most STAGES - 2 groups
+//   ahead, and asked of L2 TABLE_AHEAD tiles before that in decode-shaped
+//   programs), one block
+//   barrier, then issues the first STAGES - 1 tiles as one cp.async group
+//   each. Iteration t waits until at most STAGES - 2 groups
 //   are pending (tile t has landed), then one block barrier: every warp is
 //   done with tile t - 1 and every offset of tile t + STAGES - 1 is written.
 //   It issues tile t + STAGES - 1 into tile t - 1's stage and commits a
@@ -53,38 +58,43 @@
 //   one block barrier.
 // * write_output: each valid row's columns summed over the warps, then
 //   normalised with the sink (one segment) or stored as split-KV partials.
-// * split KV only: arrive, and for the last program of the group
+// * split KV, decode-shaped: arrive, and for the last program of the group
 //   merge_segments (below).
-// `ScalarProgram` (the f32 path) follows the same order: locate, load,
-// attend, write.
+// `reduce_body` and `ScalarProgram` (the f32 path) follow the same order:
+// locate, load, attend or merge, write.
 //
-// Split KV (num_segments S > 1). The gridDim.z = S x value-chunk programs
-// that share a (blockIdx.x, blockIdx.y) own the same packed rows; together
-// they are a group, with one arrival counter, ws_counters[y * gridDim.x + x].
-// Either every program of a group passes `locate` or none does (it depends
-// on the sequence and query block only), so a group that starts finishes.
+// Split KV (num_segments S > 1) of decode-shaped launches: one launch. The
+// gridDim.z = S x value-chunk programs that share a (blockIdx.x, blockIdx.y)
+// own the same packed rows; together they are a group, with one arrival
+// counter, ws_counters[y * gridDim.x + x]. Either every program of a group
+// passes `locate` or none does (it depends on the sequence and query block
+// only), so every group that starts has all its programs arrive.
 // * Each program stores its partials to the workspace: per (partial row,
 //   head, segment) the unnormalised output columns of its value chunk (times
 //   v_scale) and, from value chunk 0, the (max, sum) pair. An empty segment
 //   (none of its tiles holds a key the rows see, e.g. past a short
 //   sequence's end) skips Q and the key loop and stores (-inf, 0) pairs
-//   only; the merge skips segments whose sum is 0 and never reads their
-//   columns.
-// * Arrival: every thread fences (__threadfence: its partial stores are
-//   visible device-wide before anything it does next), one block barrier,
-//   then thread 0 adds 1 to the counter (atomicAdd). The program that reads
-//   back gridDim.z - 1 is the last of its group: every other program's
-//   stores were fenced before its increment.
-// * Merge, by that last program only: a __threadfence (acquire side), then
-//   it reads every segment's partials through L2 (__ldcg, never a stale L1
-//   line), merges them exactly as one program would (common maximum over
-//   the segments with a nonzero sum and the sink, NaN-propagating; columns
-//   weighted by exp2(m_s - M); normalised; fp8 output scaled) and writes
-//   every column of the group's rows, all value chunks. It then sets the
-//   counter back to 0 (atomicExch), so counters are zero between launches:
-//   the buffer is zeroed once when allocated and a CUDA graph can replay the
-//   launch as it is. The two launches of a mixed batch run one after the
-//   other on one stream and reuse the same counters.
+//   only, then arrives like any other; the merge skips segments whose sum
+//   is 0 and never reads their columns.
+// * Arrival (`arrive`): every thread fences (__threadfence: its partial
+//   stores are visible device-wide before anything it does next), one block
+//   barrier, then thread 0 adds 1 to the counter (atomicAdd). The program
+//   that reads back gridDim.z - 1 is the last of its group: every other
+//   program's stores were fenced before its increment.
+// * Merge (`merge_segments`), by that last program only: a __threadfence
+//   (acquire side), then it reads every segment's partials through L2
+//   (__ldcg, never a stale L1 line), merges them as `reduce_segments_*` does
+//   (common maximum over the segments with a nonzero sum and the sink,
+//   NaN-propagating; columns weighted by exp2(m_s - M); normalised; fp8
+//   output scaled) and writes every column of the group's rows, all value
+//   chunks. Thread 0 then sets the counter back to 0 (atomicExch): counters
+//   are zero between launches, so the buffer is zeroed once, when
+//   allocated, and a CUDA graph replays the launch as it is. The two
+//   launches of a mixed batch run one after the other on one stream and
+//   may reuse the same counters.
+// Prefill-shaped launches split only under a forced segment count; they
+// store the same partials and `reduce_segments_*`, a second launch, merges
+// them (no merge code in the 255-register prefill instances).
 //
 // Semantics follow the CPU reference (src/cpu/paged_attention.rs): causal and
 // window mask, then bidirectional prefix ranges; scale * q.k, softcap, -inf
@@ -303,14 +313,18 @@ struct AttnProgram {
       seq = lo - 1;
     }
     if (seq < 0 || seq >= p.num_seqs) return false;
-    q_start = (int)p.cu_seqlens_q[seq];
-    q_len = (int)p.cu_seqlens_q[seq + 1] - q_start;
+    // The sequence's query span and key count in one round trip: the three
+    // loads are issued together, before the checks that use them.
+    const uint32_t cu0 = p.cu_seqlens_q[seq], cu1 = p.cu_seqlens_q[seq + 1];
+    const uint32_t n_keys = p.seq_lens[seq];
+    q_start = (int)cu0;
+    q_len = (int)cu1 - q_start;
     // A mixed batch runs as two launches, one per tile shape, each owning the
     // sequences whose span fits it.
     if (q_len < p.q_len_min || q_len > p.q_len_max) return false;
     row0 = p.seq_programs ? 0 : (pid - (q_start / BLOCK_Q + seq)) * BLOCK_Q;
     if (row0 >= q_len) return false;
-    seq_len = (int)p.seq_lens[seq];
+    seq_len = (int)n_keys;
     context_len = seq_len - q_len;
     q_first = context_len + row0;
     q_last = context_len + min(row0 + BLOCK_Q, q_len) - 1;
@@ -489,6 +503,23 @@ struct AttnProgram {
     return (tid < BN && t < t_end && key < k_hi) ? table[bs_pow2 ? key >> bs_shift : key / bs] : 0u;
   }
 
+  // Tiles ahead of its use that a block-table entry is asked of L2 for:
+  // decode-shaped programs only (few tiles, latency-bound; in the 255-register
+  // prefill instances the prefetch costs spills).
+  static constexpr int TABLE_AHEAD = CF::WARPS_M == 1 ? 4 : 0;
+
+  // Asks L2 for the block-table entries of tile t, TABLE_AHEAD tiles before
+  // `table_entry` reads them (no register, nothing waits): one request per
+  // 32 keys, from the thread of the first (a tile's entries span a line or
+  // two of the table).
+  __device__ __forceinline__ void prefetch_table(int t) const {
+    const int key = k_lo + t * BN + tid;
+    if ((tid & 31) == 0 && tid < BN && t < t_end && key < k_hi) {
+      const uint32_t* e = table + (bs_pow2 ? key >> bs_shift : key / bs);
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(e));
+    }
+  }
+
   // This thread's key of tile t, in block `blk`: its byte offset (or -1)
   // into the tile's koff slot.
   __device__ __forceinline__ void tile_offsets(int t, uint32_t blk) {
@@ -648,6 +679,8 @@ struct AttnProgram {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) tile_offsets(t_begin + s, table_entry(t_begin + s));
     next_blk = table_entry(t_begin + STAGES);
+#pragma unroll
+    for (int s = 1; s <= TABLE_AHEAD; ++s) prefetch_table(t_begin + STAGES + s);
     __syncthreads();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -915,6 +948,7 @@ struct AttnProgram {
       cp_async_commit();
       tile_offsets(t + STAGES, next_blk);
       next_blk = table_entry(t + STAGES + 1);
+      if constexpr (TABLE_AHEAD > 0) prefetch_table(t + STAGES + 1 + TABLE_AHEAD);
       const MM* tK;
       const MM* tV;
       stage_tile(stage, tK, tV);
@@ -1130,39 +1164,20 @@ struct AttnProgram {
     return true;
   }
 
-  // The common maximum M and total sum L over the S segments from `base` and
-  // the head's sink. A segment's sum is 0 when it saw no key of the row (it
-  // is skipped: selected, not multiplied), else >= 1 or NaN; NaN sums and
-  // maxima propagate through the NaN-aware max into every term.
-  __device__ __forceinline__ void segments_max_sum(int64_t base, int head, float& M, float& L) const {
-    const float* ml = p.ws_ml;
-    const int S = p.num_segments;
-    M = neg_inf();
-    for (int s = 0; s < S; ++s) {
-      if (__ldcg(ml + 2 * (base + s) + 1) != 0.f) M = max_nan(M, __ldcg(ml + 2 * (base + s)));
-    }
-    float s2 = neg_inf();
-    if (p.sinks != nullptr) {
-      s2 = p.sinks[head] * LOG2E;
-      M = max_nan(M, s2);
-    }
-    L = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float l = __ldcg(ml + 2 * (base + s) + 1);
-      if (l != 0.f) L += l * exp2f(__ldcg(ml + 2 * (base + s)) - M);
-    }
-    if (p.sinks != nullptr) L += sink_mass(s2, M);
-  }
-
-  // The last program of a split group: each valid row's common maximum and
-  // 1 / sum (into red_m / red_l) and its segments' weights exp2(m_s - M)
+  // The last program of a split group. Per valid row, one warp: its lanes
+  // read the segments' (max, sum) pairs (a lane per segment), the common
+  // maximum M over the segments with a nonzero sum and the head's sink
+  // (NaN-propagating), the total sum L, each segment's weight exp2(m_s - M)
   // (into the tile region while BM x S of them fit, else recomputed per
-  // column chunk), one block barrier, then every column of the row (all
-  // value chunks), four per step, as the weighted sum of the segments'
-  // columns, normalised, to the output.
+  // column chunk) and M and 1 / L (into red_m / red_l). A segment whose sum
+  // is 0 saw no key of the row: it is skipped (selected, not multiplied),
+  // and its columns are never read. One block barrier, then every column of
+  // each row (all value chunks), four per step, as the weighted sum of the
+  // segments' columns (reads in flight for several segments at a time),
+  // normalised, to the output.
   __device__ __forceinline__ void merge_segments() const {
     const AttnParams& p = this->p;
-    const int tid = this->tid, hs = this->hs, q_start = this->q_start;
+    const int tid = this->tid, lane = this->lane, warp = this->warp, hs = this->hs, q_start = this->q_start;
     const int S = p.num_segments;
     float* row_m = this->red_m;
     float* row_inv = this->red_l;
@@ -1172,20 +1187,35 @@ struct AttnProgram {
     // Weight of a segment the merge skips (a real weight is >= 0 or NaN).
     constexpr float SKIP = -1.f;
     const float* ml = p.ws_ml;
-    for (int r = tid; r < BM; r += NT) {
+    for (int r = warp; r < BM; r += NT / 32) {
       const RowInfo ri = row_info(r);
-      if (!ri.valid) continue;
+      if (!ri.valid) continue;  // uniform over the warp
       const int64_t base = partial_base(ri);
-      float M, L;
-      segments_max_sum(base, ri.head, M, L);
-      row_m[r] = M;
-      // L is 0 only for a row that saw no key and has no sink mass (every
-      // segment is skipped, so its columns are an exact 0); else >= 1 or NaN.
-      row_inv[r] = L == 0.f ? 0.f : 1.f / L;
-      if (wts_fit) {
-        for (int s = 0; s < S; ++s)
-          wts[r * S + s] =
-              __ldcg(ml + 2 * (base + s) + 1) != 0.f ? exp2f(__ldcg(ml + 2 * (base + s)) - M) : SKIP;
+      float M = neg_inf();
+      for (int s = lane; s < S; s += 32) {
+        if (__ldcg(ml + 2 * (base + s) + 1) != 0.f) M = max_nan(M, __ldcg(ml + 2 * (base + s)));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) M = max_nan(M, __shfl_xor_sync(0xffffffffu, M, o));
+      float s2 = neg_inf();
+      if (p.sinks != nullptr) {
+        s2 = p.sinks[ri.head] * LOG2E;
+        M = max_nan(M, s2);
+      }
+      float L = 0.f;
+      for (int s = lane; s < S; s += 32) {
+        const float l = __ldcg(ml + 2 * (base + s) + 1);
+        const float w = l != 0.f ? exp2f(__ldcg(ml + 2 * (base + s)) - M) : SKIP;
+        if (l != 0.f) L += l * w;
+        if (wts_fit) wts[r * S + s] = w;
+      }
+      L = warp_sum(L);
+      if (p.sinks != nullptr) L += sink_mass(s2, M);
+      if (lane == 0) {
+        row_m[r] = M;
+        // L is 0 only for a row that saw no key and has no sink mass (every
+        // segment is skipped, so its columns are an exact 0); else >= 1 or NaN.
+        row_inv[r] = L == 0.f ? 0.f : 1.f / L;
       }
     }
     __syncthreads();
@@ -1198,6 +1228,7 @@ struct AttnProgram {
       const int64_t base = partial_base(ri);
       const float M = row_m[r];
       float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
       for (int s = 0; s < S; ++s) {
         const float w = wts_fit ? wts[r * S + s]
                         : __ldcg(ml + 2 * (base + s) + 1) != 0.f ? exp2f(__ldcg(ml + 2 * (base + s)) - M)
@@ -1231,13 +1262,15 @@ struct AttnProgram {
 
 // One tensor-core program: its rows and keys, Q staged, its segment's key
 // tiles streamed and accumulated, its warps merged, the output (or the
-// split-KV partials) written; with split KV, the last program of the group
-// then merges the partials into the output.
+// split-KV partials) written; with split KV, in decode-shaped programs, the
+// last program of the group then merges the partials into the output.
 template <typename T, typename C, class CF>
 __device__ __forceinline__ void attention_body(const AttnParams& p) {
   AttnProgram<T, C, CF> prog(p);
   if (!prog.locate()) return;
-  const bool split = p.num_segments > 1;
+  // Decode-shaped programs merge their own split groups; prefill-shaped
+  // ones leave it to `reduce_segments_*` (see "Split KV").
+  const bool split = CF::WARPS_M == 1 && p.num_segments > 1;
   if (split && prog.t_begin >= prog.t_end) {
     prog.store_empty_partials();
   } else {
@@ -1254,6 +1287,76 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     prog.write_output();
   }
   if (split && prog.arrive()) prog.merge_segments();
+}
+
+// Split KV of prefill-shaped launches (only under a forced segment count):
+// their programs store partials (as decode-shaped ones do) and leave the
+// merge to `reduce_segments_*`, a second launch, so that the 255-register
+// prefill instances carry no merge code. Partial rows are tokens.
+
+// The partial row `row` (a token) of a prefill-shaped split launch; false
+// when the token's sequence belongs to the other launch of a mixed batch
+// (its new-token count is outside [q_len_min, q_len_max]).
+__device__ __forceinline__ bool reduce_token(const AttnParams& p, int row, int64_t& token) {
+  token = row;
+  // The token's sequence (binary search over the query spans).
+  int lo = 0, hi = p.num_seqs;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if ((int)p.cu_seqlens_q[mid] <= row) lo = mid + 1;
+    else hi = mid;
+  }
+  const int seq = lo - 1;
+  if (seq < 0 || seq >= p.num_seqs) return false;
+  const int q_len = (int)(p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]);
+  return q_len >= p.q_len_min && q_len <= p.q_len_max;
+}
+
+// The common maximum M and total sum L of the S segments at `base` and the
+// head's sink. A segment's sum is 0 when it saw no key of this row (it is
+// skipped: selected, not multiplied), else >= 1 or NaN. NaN sums and maxima
+// propagate through the NaN-aware max into every term.
+__device__ __forceinline__ void reduce_max_sum(const AttnParams& p, int64_t base, int head, float& M, float& L) {
+  const int S = p.num_segments;
+  M = neg_inf();
+  for (int s = 0; s < S; ++s) {
+    if (p.ws_ml[2 * (base + s) + 1] != 0.f) M = max_nan(M, p.ws_ml[2 * (base + s)]);
+  }
+  float s2 = neg_inf();
+  if (p.sinks != nullptr) {
+    s2 = p.sinks[head] * LOG2E;
+    M = max_nan(M, s2);
+  }
+  L = 0.f;
+  for (int s = 0; s < S; ++s) {
+    const float l = p.ws_ml[2 * (base + s) + 1];
+    if (l != 0.f) L += l * exp2f(p.ws_ml[2 * (base + s)] - M);
+  }
+  if (p.sinks != nullptr) L += sink_mass(s2, M);
+}
+
+// Merges the split-KV partials of one (partial row, head) and the head's
+// sink. Grid (partial rows, num_heads), any block size.
+template <typename T>
+__device__ __forceinline__ void reduce_body(const AttnParams& p) {
+  const int row = blockIdx.x, head = blockIdx.y, S = p.num_segments, hs = p.head_size;
+  int64_t token;
+  if (!reduce_token(p, row, token)) return;
+  const int64_t base = ((int64_t)row * p.num_heads + head) * S;
+  float M, L;
+  reduce_max_sum(p, base, head, M, L);
+  const float inv = L == 0.f ? 0.f : 1.f / L;
+  for (int d = threadIdx.x; d < hs; d += blockDim.x) {
+    float o = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float l = p.ws_ml[2 * (base + s) + 1];
+      if (l != 0.f) o += p.ws_acc[(base + s) * hs + d] * exp2f(p.ws_ml[2 * (base + s)] - M);
+    }
+    const float y = o * inv;
+    const int64_t oi = ((int64_t)token * p.num_heads + head) * hs + d;
+    if (p.out_fp8) static_cast<fp8_t*>(p.out)[oi] = from_f32<fp8_t>(y * p.out_inv_scale);
+    else static_cast<T*>(p.out)[oi] = from_f32<T>(y);
+  }
 }
 
 // The f32 path: one warp per (query row, query head); lane l holds columns
@@ -1455,6 +1558,9 @@ CPA_ATTN_HEAD(512, 1, 32, 1)
 CPA_ATTN_M1(32)
 CPA_ATTN_M1(64)
 CPA_ATTN_M1(128)
+
+extern "C" __global__ void reduce_segments_bf16(const AttnParams p) { reduce_body<__nv_bfloat16>(p); }
+extern "C" __global__ void reduce_segments_f16(const AttnParams p) { reduce_body<__half>(p); }
 
 extern "C" __global__ void __launch_bounds__(128) unified_attention_scalar_f32(const AttnParams p) {
   scalar_body<float>(p);

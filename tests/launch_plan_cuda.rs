@@ -78,8 +78,9 @@ cuda_test! {
     /// every launch must leave at zero), each checked against the reference:
     /// mostly empty segments, sinks with an fp8 cache and fp8 output, a
     /// mixed batch whose decode launch splits alone (Auto) or whose two
-    /// launches both split, two value chunks (head size 512), a sliding
-    /// window; then the first call again.
+    /// launches both split (the decode launch merging its own partials, the
+    /// prefill one through the reduce), split prefills, two value chunks
+    /// (head size 512), a sliding window; then the first call again.
     fn merged_split_calls_in_a_row(dev: &Device) -> Result<()> {
         let empty_segments = Case::new(&[(1, 40), (1, 3000), (1, 1)], (8, 2), 128, 16, DType::BF16)
             .with_kv_split(KvSplit::Segments(64))
@@ -99,6 +100,14 @@ cuda_test! {
             Case::new(&[(1, 700), (70, 400), (3, 1200)], (8, 2), 64, 16, DType::BF16)
                 .with_kv_split(KvSplit::Segments(5))
                 .with_seed(9),
+            Case::new(&[(100, 300), (37, 37), (1, 800)], (8, 2), 64, 16, DType::F16)
+                .with_sinks(true)
+                .with_kv_split(KvSplit::Segments(4))
+                .with_seed(10),
+            Case::new(&[(90, 90), (33, 1000)], (4, 4), 128, 16, DType::BF16)
+                .with_fp8_cache(true)
+                .with_kv_split(KvSplit::Segments(6))
+                .with_seed(12),
             Case::new(&[(1, 600), (2, 333)], (4, 2), 512, 16, DType::BF16)
                 .with_kv_split(KvSplit::Segments(3))
                 .with_seed(11),

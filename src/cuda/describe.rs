@@ -149,10 +149,12 @@ pub struct KernelInstanceReport {
     pub planned_threads: usize,
     /// Dynamic shared memory per program the launch requests (bytes).
     pub planned_smem: usize,
-    /// Programs per SM the plan assumes (shared memory per SM and the tile
-    /// table's register bound). Only decode-shaped instances' figures drive
-    /// a decision (the split-KV segment count); for prefill-shaped ones it is
-    /// a lower bound.
+    /// The host-side estimate of the programs per SM (shared memory per SM
+    /// and the tile table's register bound), which the host tests plan
+    /// with; the launches plan with the driver's occupancy instead (see
+    /// [`LaunchResidency`]). For decode-shaped instances it is expected to
+    /// equal the driver's figure; for prefill-shaped ones it is a lower
+    /// bound.
     pub planned_resident: usize,
     /// True for decode-shaped instances, whose residency the split-KV
     /// heuristic uses.

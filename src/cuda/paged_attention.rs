@@ -5,8 +5,10 @@
 //! f16/bf16 queries run the tensor-core kernel
 //! (`unified_attention_h{HEAD}_{kind}_{dtype}[_fp8]`), either writing the
 //! output directly (one segment) or writing split-KV partials into the
-//! workspace, which the last program of each split group merges into the
-//! output in the same launch. f32 queries run
+//! workspace. A decode-shaped launch merges its own partials (the last
+//! program of each split group, in the same launch); a prefill-shaped one,
+//! which splits only under `KvSplit::Segments`, leaves them to
+//! `reduce_segments_{dtype}`. f32 queries run
 //! `unified_attention_scalar_f32[_fp8]`.
 //!
 //! * Tile shapes: sequences whose new tokens (times the packed heads of a KV
@@ -25,7 +27,8 @@
 //!
 //! `launch` runs named steps: `gather_params` (device addresses, their
 //! guards and the parameter block), then `launch_scalar` for f32, or
-//! `ensure_workspace` and `launch_parts`. Every launch
+//! `ensure_workspace`, `launch_parts` and `launch_reduce` (a split prefill
+//! part only). Every launch
 //! goes through `launch_attention` (grid check, then launch).
 //!
 //! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
@@ -41,7 +44,7 @@ use candle_core::{
 
 use super::contract::AttnParams;
 use super::occupancy::Residency;
-use super::plan::{plan, Instance, Plan};
+use super::plan::{plan, Instance, Part, Plan};
 use super::tiles::Kind;
 use super::workspace::{self, Workspace};
 use super::{
@@ -104,8 +107,8 @@ pub(crate) fn forward(
 
 /// Enqueues the kernels of one forward on the query's stream, writing `out`:
 /// gathers the parameter block, then runs the f32 scalar kernel, or the
-/// tensor-core parts of the plan (a part that splits merges its own
-/// partials).
+/// tensor-core parts of the plan (a split decode-shaped part merges its own
+/// partials), then the reduce of a split prefill-shaped part.
 fn launch(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
@@ -157,7 +160,13 @@ fn launch(
         dtype_name,
         cache_fp8,
     };
-    launch_parts(&kernels, &plan, &limits, dims, &mut p)
+    launch_parts(&kernels, &plan, &limits, dims, &mut p)?;
+    for part in plan.parts.iter().flatten() {
+        if part.kind == Kind::Prefill && part.segments > 1 {
+            launch_reduce(&kernels, &plan, part, dims, &mut p)?;
+        }
+    }
+    Ok(())
 }
 
 /// The query and output storages of one forward.
@@ -369,7 +378,7 @@ fn launch_scalar(
 
 /// The split-KV partials of one call: segments of the most split part, the
 /// rows the partials are indexed by and the arrival counters (one per
-/// (grid x, grid y) of the largest split part).
+/// (grid x, grid y) of a split decode-shaped part; 0 when none splits).
 struct SplitLayout {
     segments: usize,
     partial_rows: usize,
@@ -394,7 +403,7 @@ impl SplitLayout {
             .parts
             .iter()
             .flatten()
-            .filter(|p| p.segments > 1)
+            .filter(|p| p.kind == Kind::Decode && p.segments > 1)
             .map(|p| p.grid_x * dims.num_kv_heads * p.head_chunks)
             .max()
             .unwrap_or(0);
@@ -407,9 +416,9 @@ impl SplitLayout {
 }
 
 /// Grows the device's workspace for this call's split-KV partials and
-/// arrival counters and points `p.ws_acc`/`p.ws_ml`/`p.ws_counters` into it
-/// (the partials poisoned when poisoning is on; the counters never: they
-/// are zero between launches). Returns the buffers' guards, to drop after
+/// arrival counters (when a decode-shaped part splits) and points
+/// `p.ws_acc`/`p.ws_ml`/`p.ws_counters` into it (the partials poisoned when
+/// poisoning is on; the counters never: they are zero between launches). Returns the buffers' guards, to drop after
 /// the launches; empty when nothing splits.
 ///
 /// Partials: [partial_rows, num_heads, segments, head_size] outputs and
@@ -432,19 +441,25 @@ fn ensure_workspace<'a>(
     ws.grow(dev, ws_len)?;
     ws.grow_counters(dev, split.counters)?;
     let ws: &'a Workspace = ws;
-    let (Some((base, guard)), Some((counters, counters_guard))) = (
-        ws.address(ws_len, stream),
-        ws.counters_address(split.counters, stream),
-    ) else {
-        bail!("{OP}: split-kv workspace of {ws_len} floats and {} counters is missing after growing it", split.counters);
+    let Some((base, guard)) = ws.address(ws_len, stream) else {
+        bail!("{OP}: split-kv workspace of {ws_len} floats is missing after growing it");
     };
     p.ws_acc = base;
     p.ws_ml = base + (partials * hs * 4) as u64;
-    p.ws_counters = counters;
     if poison_outputs() {
         fill_nan(base, ws_len * 4, stream)?;
     }
-    Ok(vec![guard, counters_guard])
+    let mut guards = vec![guard];
+    if let Some((counters, counters_guard)) = ws.counters_address(split.counters, stream) {
+        p.ws_counters = counters;
+        guards.push(counters_guard);
+    } else if split.counters > 0 {
+        bail!(
+            "{OP}: {} split-kv counters are missing after growing them",
+            split.counters
+        );
+    }
+    Ok(guards)
 }
 
 /// What every tensor-core launch of one call shares.
@@ -506,6 +521,44 @@ fn launch_parts(
         unsafe { launch_attention(k.stream, &func, cfg, p) }?;
     }
     Ok(())
+}
+
+/// The split-KV reduce of a prefill-shaped part (`reduce_segments_{dtype}`;
+/// decode-shaped parts merge their own partials): one program per token and
+/// head; tokens of the other launch's sequences exit.
+fn launch_reduce(
+    k: &Kernels<'_>,
+    plan: &Plan,
+    part: &Part,
+    dims: &AttentionDims,
+    p: &mut AttnParams,
+) -> Result<()> {
+    if plan.ws_seq_rows > 0 {
+        bail!("{OP}: a prefill-shaped launch split with (sequence, row) partials");
+    }
+    p.num_segments = part.segments as i32;
+    p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
+    p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
+    let name = format!("reduce_segments_{}", k.dtype_name);
+    let func = function(k.dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
+    let rows = u32::try_from(dims.num_tokens)
+        .ok()
+        .filter(|&x| x < i32::MAX as u32)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{OP}: {} partial rows is too many",
+                dims.num_tokens
+            ))
+        })?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows, dims.num_heads as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as for `launch_parts`; the reduce reads the partials the
+    // prefill-shaped launch just wrote on the same stream, in the workspace
+    // `ensure_workspace` sized for them.
+    unsafe { launch_attention(k.stream, &func, cfg, p) }
 }
 
 /// An uninitialised output buffer of `n` elements.
