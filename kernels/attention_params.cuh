@@ -22,6 +22,7 @@ struct AttnParams {
   const float* qq_bias;          // [qq_rows, qq_cols] or null
   float* ws_acc;                 // split-KV partial outputs [num_tokens, num_heads, num_segments, head_size]
   float* ws_ml;                  // split-KV (max, sum) pairs [num_tokens, num_heads, num_segments, 2]
+  uint32_t* ws_counters;         // split-KV arrival counters [grid_y, grid_x], zero between launches
   int64_t block_stride;          // elements between consecutive cache blocks
   int32_t num_seqs;
   int32_t num_tokens;
@@ -52,7 +53,7 @@ struct AttnParams {
 // The layout both sides rely on. The Rust mirror asserts the same size, and
 // a unit test in src/cuda/contract.rs reads these lines back and compares
 // every offset with `std::mem::offset_of!` on the Rust struct.
-static_assert(sizeof(AttnParams) == 208, "AttnParams size changed");
+static_assert(sizeof(AttnParams) == 216, "AttnParams size changed");
 static_assert(offsetof(AttnParams, q) == 0, "AttnParams.q moved");
 static_assert(offsetof(AttnParams, k_cache) == 8, "AttnParams.k_cache moved");
 static_assert(offsetof(AttnParams, v_cache) == 16, "AttnParams.v_cache moved");
@@ -66,30 +67,31 @@ static_assert(offsetof(AttnParams, sinks) == 72, "AttnParams.sinks moved");
 static_assert(offsetof(AttnParams, qq_bias) == 80, "AttnParams.qq_bias moved");
 static_assert(offsetof(AttnParams, ws_acc) == 88, "AttnParams.ws_acc moved");
 static_assert(offsetof(AttnParams, ws_ml) == 96, "AttnParams.ws_ml moved");
-static_assert(offsetof(AttnParams, block_stride) == 104, "AttnParams.block_stride moved");
-static_assert(offsetof(AttnParams, num_seqs) == 112, "AttnParams.num_seqs moved");
-static_assert(offsetof(AttnParams, num_tokens) == 116, "AttnParams.num_tokens moved");
-static_assert(offsetof(AttnParams, num_heads) == 120, "AttnParams.num_heads moved");
-static_assert(offsetof(AttnParams, num_kv_heads) == 124, "AttnParams.num_kv_heads moved");
-static_assert(offsetof(AttnParams, head_size) == 128, "AttnParams.head_size moved");
-static_assert(offsetof(AttnParams, block_size) == 132, "AttnParams.block_size moved");
-static_assert(offsetof(AttnParams, block_table_width) == 136, "AttnParams.block_table_width moved");
-static_assert(offsetof(AttnParams, max_ranges) == 140, "AttnParams.max_ranges moved");
-static_assert(offsetof(AttnParams, qq_rows) == 144, "AttnParams.qq_rows moved");
-static_assert(offsetof(AttnParams, qq_cols) == 148, "AttnParams.qq_cols moved");
-static_assert(offsetof(AttnParams, sliding_window) == 152, "AttnParams.sliding_window moved");
-static_assert(offsetof(AttnParams, num_segments) == 156, "AttnParams.num_segments moved");
-static_assert(offsetof(AttnParams, out_fp8) == 160, "AttnParams.out_fp8 moved");
-static_assert(offsetof(AttnParams, vec_loads) == 164, "AttnParams.vec_loads moved");
-static_assert(offsetof(AttnParams, group_entries) == 168, "AttnParams.group_entries moved");
-static_assert(offsetof(AttnParams, head_chunks) == 172, "AttnParams.head_chunks moved");
-static_assert(offsetof(AttnParams, q_len_min) == 176, "AttnParams.q_len_min moved");
-static_assert(offsetof(AttnParams, q_len_max) == 180, "AttnParams.q_len_max moved");
-static_assert(offsetof(AttnParams, ws_seq_rows) == 184, "AttnParams.ws_seq_rows moved");
-static_assert(offsetof(AttnParams, seq_programs) == 188, "AttnParams.seq_programs moved");
-static_assert(offsetof(AttnParams, scale) == 192, "AttnParams.scale moved");
-static_assert(offsetof(AttnParams, softcap) == 196, "AttnParams.softcap moved");
-static_assert(offsetof(AttnParams, v_scale) == 200, "AttnParams.v_scale moved");
-static_assert(offsetof(AttnParams, out_inv_scale) == 204, "AttnParams.out_inv_scale moved");
+static_assert(offsetof(AttnParams, ws_counters) == 104, "AttnParams.ws_counters moved");
+static_assert(offsetof(AttnParams, block_stride) == 112, "AttnParams.block_stride moved");
+static_assert(offsetof(AttnParams, num_seqs) == 120, "AttnParams.num_seqs moved");
+static_assert(offsetof(AttnParams, num_tokens) == 124, "AttnParams.num_tokens moved");
+static_assert(offsetof(AttnParams, num_heads) == 128, "AttnParams.num_heads moved");
+static_assert(offsetof(AttnParams, num_kv_heads) == 132, "AttnParams.num_kv_heads moved");
+static_assert(offsetof(AttnParams, head_size) == 136, "AttnParams.head_size moved");
+static_assert(offsetof(AttnParams, block_size) == 140, "AttnParams.block_size moved");
+static_assert(offsetof(AttnParams, block_table_width) == 144, "AttnParams.block_table_width moved");
+static_assert(offsetof(AttnParams, max_ranges) == 148, "AttnParams.max_ranges moved");
+static_assert(offsetof(AttnParams, qq_rows) == 152, "AttnParams.qq_rows moved");
+static_assert(offsetof(AttnParams, qq_cols) == 156, "AttnParams.qq_cols moved");
+static_assert(offsetof(AttnParams, sliding_window) == 160, "AttnParams.sliding_window moved");
+static_assert(offsetof(AttnParams, num_segments) == 164, "AttnParams.num_segments moved");
+static_assert(offsetof(AttnParams, out_fp8) == 168, "AttnParams.out_fp8 moved");
+static_assert(offsetof(AttnParams, vec_loads) == 172, "AttnParams.vec_loads moved");
+static_assert(offsetof(AttnParams, group_entries) == 176, "AttnParams.group_entries moved");
+static_assert(offsetof(AttnParams, head_chunks) == 180, "AttnParams.head_chunks moved");
+static_assert(offsetof(AttnParams, q_len_min) == 184, "AttnParams.q_len_min moved");
+static_assert(offsetof(AttnParams, q_len_max) == 188, "AttnParams.q_len_max moved");
+static_assert(offsetof(AttnParams, ws_seq_rows) == 192, "AttnParams.ws_seq_rows moved");
+static_assert(offsetof(AttnParams, seq_programs) == 196, "AttnParams.seq_programs moved");
+static_assert(offsetof(AttnParams, scale) == 200, "AttnParams.scale moved");
+static_assert(offsetof(AttnParams, softcap) == 204, "AttnParams.softcap moved");
+static_assert(offsetof(AttnParams, v_scale) == 208, "AttnParams.v_scale moved");
+static_assert(offsetof(AttnParams, out_inv_scale) == 212, "AttnParams.out_inv_scale moved");
 
 }  // namespace cpa

@@ -13,10 +13,13 @@
 //   an online softmax, rescaling its accumulator only when a row's maximum
 //   moved; warps that split the keys of a tile are merged at the end. With
 //   one segment the program writes the output; with several it writes
-//   (max, sum, unnormalised output) partials that `reduce_segments_*`
-//   merges. fp8 caches are dequantised in shared memory to f16 and run f16
-//   MMAs, the queries scaled per row by a power of two into f16's range.
-// * `reduce_segments_{f16|bf16}`: merges the split-KV partials (and the sinks).
+//   (max, sum, unnormalised output) partials, and in decode-shaped launches
+//   the last program of its group to finish merges them into the output
+//   (see "Split KV" below), so a split decode is still one launch. fp8
+//   caches are dequantised in shared memory to f16 and run f16 MMAs, the
+//   queries scaled per row by a power of two into f16's range.
+// * `reduce_segments_{f16|bf16}`: merges the split-KV partials (and the
+//   sinks) of a prefill-shaped launch.
 // * `unified_attention_scalar_f32[_fp8]`: the f32 path, one warp per
 //   (query row, query head), one key at a time.
 //
@@ -26,6 +29,7 @@
 //   rows x GE heads of one KV group, packed as rows of the MMA M dimension),
 //   the keys [k_lo, k_hi) its rows see (causal / window span plus the prefix
 //   ranges that meet it) and its segment's tiles [t_begin, t_end) of BN keys.
+//   The sequence's cu_seqlens_q pair and seq_lens entry are read together.
 // * load_q: the BM x HEAD packed query tile into sQ. fp8 caches scale and
 //   convert it with plain stores behind four block barriers; 16-bit caches
 //   copy it with cp.async into the first tile's group.
@@ -33,8 +37,10 @@
 //   holds a real row, the per-row score scales, empty accumulators.
 // * key_loop: the prologue writes the key offsets of the first STAGES tiles
 //   (threads tid < BN, one key each, from block-table entries read a tile
-//   ahead), one block barrier, then issues the first STAGES - 1 tiles as one
-//   cp.async group each. Iteration t waits until at most STAGES - 2 groups
+//   ahead, and asked of L2 TABLE_AHEAD tiles before that in decode-shaped
+//   programs), one block
+//   barrier, then issues the first STAGES - 1 tiles as one cp.async group
+//   each. Iteration t waits until at most STAGES - 2 groups
 //   are pending (tile t has landed), then one block barrier: every warp is
 //   done with tile t - 1 and every offset of tile t + STAGES - 1 is written.
 //   It issues tile t + STAGES - 1 into tile t - 1's stage and commits a
@@ -52,8 +58,43 @@
 //   one block barrier.
 // * write_output: each valid row's columns summed over the warps, then
 //   normalised with the sink (one segment) or stored as split-KV partials.
+// * split KV, decode-shaped: arrive, and for the last program of the group
+//   merge_segments (below).
 // `reduce_body` and `ScalarProgram` (the f32 path) follow the same order:
 // locate, load, attend or merge, write.
+//
+// Split KV (num_segments S > 1) of decode-shaped launches: one launch. The
+// gridDim.z = S x value-chunk programs that share a (blockIdx.x, blockIdx.y)
+// own the same packed rows; together they are a group, with one arrival
+// counter, ws_counters[y * gridDim.x + x]. Either every program of a group
+// passes `locate` or none does (it depends on the sequence and query block
+// only), so every group that starts has all its programs arrive.
+// * Each program stores its partials to the workspace: per (partial row,
+//   head, segment) the unnormalised output columns of its value chunk (times
+//   v_scale) and, from value chunk 0, the (max, sum) pair. An empty segment
+//   (none of its tiles holds a key the rows see, e.g. past a short
+//   sequence's end) skips Q and the key loop and stores (-inf, 0) pairs
+//   only, then arrives like any other; the merge skips segments whose sum
+//   is 0 and never reads their columns.
+// * Arrival (`arrive`): every thread fences (__threadfence: its partial
+//   stores are visible device-wide before anything it does next), one block
+//   barrier, then thread 0 adds 1 to the counter (atomicAdd). The program
+//   that reads back gridDim.z - 1 is the last of its group: every other
+//   program's stores were fenced before its increment.
+// * Merge (`merge_segments`), by that last program only: a __threadfence
+//   (acquire side), then it reads every segment's partials through L2
+//   (__ldcg, never a stale L1 line), merges them as `reduce_segments_*` does
+//   (common maximum over the segments with a nonzero sum and the sink,
+//   NaN-propagating; columns weighted by exp2(m_s - M); normalised; fp8
+//   output scaled) and writes every column of the group's rows, all value
+//   chunks. Thread 0 then sets the counter back to 0 (atomicExch): counters
+//   are zero between launches, so the buffer is zeroed once, when
+//   allocated, and a CUDA graph replays the launch as it is. The two
+//   launches of a mixed batch run one after the other on one stream and
+//   may reuse the same counters.
+// Prefill-shaped launches split only under a forced segment count; they
+// store the same partials and `reduce_segments_*`, a second launch, merges
+// them (no merge code in the 255-register prefill instances).
 //
 // Semantics follow the CPU reference (src/cpu/paged_attention.rs): causal and
 // window mask, then bidirectional prefix ranges; scale * q.k, softcap, -inf
@@ -272,14 +313,18 @@ struct AttnProgram {
       seq = lo - 1;
     }
     if (seq < 0 || seq >= p.num_seqs) return false;
-    q_start = (int)p.cu_seqlens_q[seq];
-    q_len = (int)p.cu_seqlens_q[seq + 1] - q_start;
+    // The sequence's query span and key count in one round trip: the three
+    // loads are issued together, before the checks that use them.
+    const uint32_t cu0 = p.cu_seqlens_q[seq], cu1 = p.cu_seqlens_q[seq + 1];
+    const uint32_t n_keys = p.seq_lens[seq];
+    q_start = (int)cu0;
+    q_len = (int)cu1 - q_start;
     // A mixed batch runs as two launches, one per tile shape, each owning the
     // sequences whose span fits it.
     if (q_len < p.q_len_min || q_len > p.q_len_max) return false;
     row0 = p.seq_programs ? 0 : (pid - (q_start / BLOCK_Q + seq)) * BLOCK_Q;
     if (row0 >= q_len) return false;
-    seq_len = (int)p.seq_lens[seq];
+    seq_len = (int)n_keys;
     context_len = seq_len - q_len;
     q_first = context_len + row0;
     q_last = context_len + min(row0 + BLOCK_Q, q_len) - 1;
@@ -458,6 +503,23 @@ struct AttnProgram {
     return (tid < BN && t < t_end && key < k_hi) ? table[bs_pow2 ? key >> bs_shift : key / bs] : 0u;
   }
 
+  // Tiles ahead of its use that a block-table entry is asked of L2 for:
+  // decode-shaped programs only (few tiles, latency-bound; in the 255-register
+  // prefill instances the prefetch costs spills).
+  static constexpr int TABLE_AHEAD = CF::WARPS_M == 1 ? 4 : 0;
+
+  // Asks L2 for the block-table entries of tile t, TABLE_AHEAD tiles before
+  // `table_entry` reads them (no register, nothing waits): one request per
+  // 32 keys, from the thread of the first (a tile's entries span a line or
+  // two of the table).
+  __device__ __forceinline__ void prefetch_table(int t) const {
+    const int key = k_lo + t * BN + tid;
+    if ((tid & 31) == 0 && tid < BN && t < t_end && key < k_hi) {
+      const uint32_t* e = table + (bs_pow2 ? key >> bs_shift : key / bs);
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(e));
+    }
+  }
+
   // This thread's key of tile t, in block `blk`: its byte offset (or -1)
   // into the tile's koff slot.
   __device__ __forceinline__ void tile_offsets(int t, uint32_t blk) {
@@ -617,6 +679,8 @@ struct AttnProgram {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) tile_offsets(t_begin + s, table_entry(t_begin + s));
     next_blk = table_entry(t_begin + STAGES);
+#pragma unroll
+    for (int s = 1; s <= TABLE_AHEAD; ++s) prefetch_table(t_begin + STAGES + s);
     __syncthreads();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -884,6 +948,7 @@ struct AttnProgram {
       cp_async_commit();
       tile_offsets(t + STAGES, next_blk);
       next_blk = table_entry(t + STAGES + 1);
+      if constexpr (TABLE_AHEAD > 0) prefetch_table(t + STAGES + 1 + TABLE_AHEAD);
       const MM* tK;
       const MM* tV;
       stage_tile(stage, tK, tV);
@@ -1015,15 +1080,23 @@ struct AttnProgram {
     }
   }
 
+  // Index of segment 0's partial of packed row `ri` (partials
+  // [partial rows, num_heads, S]): partial rows are tokens, or (sequence,
+  // row) for a mixed batch's decode launch.
+  __device__ __forceinline__ int64_t partial_base(const RowInfo& ri) const {
+    const int64_t prow =
+        p.ws_seq_rows > 0 ? (int64_t)seq * p.ws_seq_rows + ri.q_rel : (int64_t)q_start + ri.q_rel;
+    return (prow * p.num_heads + ri.head) * p.num_segments;
+  }
+
   // Split KV: the segment's unnormalised columns (times v_scale) and, once
-  // per row, its (max, sum) to the workspace, for `reduce_segments_*`.
-  __device__ __forceinline__ void store_partial(const RowInfo& ri, int64_t token, int S, int gcol0, int ncols,
-                                                float M, float L, const float (&o)[8]) const {
+  // per row, its (max, sum) to the workspace, for `merge_segments`.
+  __device__ __forceinline__ void store_partial(const RowInfo& ri, int gcol0, int ncols, float M, float L,
+                                                const float (&o)[8]) const {
     const AttnParams& p = this->p;
-    const int hs = this->hs, seg = this->seg, seq = this->seq;
+    const int hs = this->hs, seg = this->seg;
     const bool vec = this->vec;
-    const int64_t prow = p.ws_seq_rows > 0 ? (int64_t)seq * p.ws_seq_rows + ri.q_rel : token;
-    const int64_t pi = (prow * p.num_heads + ri.head) * S + seg;
+    const int64_t pi = partial_base(ri) + seg;
     float* wa = p.ws_acc + pi * hs + gcol0;
     if (ncols == 8 && vec) {
       reinterpret_cast<float4*>(wa)[0] = make_float4(o[0] * p.v_scale, o[1] * p.v_scale, o[2] * p.v_scale, o[3] * p.v_scale);
@@ -1056,44 +1129,187 @@ struct AttnProgram {
       merged_row(r, d0, M, L, o);
       const int64_t token = q_start + ri.q_rel;
       if (S == 1) store_output(token, ri.head, gcol0, ncols, M, L, o);
-      else store_partial(ri, token, S, gcol0, ncols, M, L, o);
+      else store_partial(ri, gcol0, ncols, M, L, o);
+    }
+  }
+
+  // ---- split KV: arrival and the last program's merge (see "Split KV" at the top) ----
+
+  // An empty segment: a (-inf, 0) pair for each valid row (from value chunk
+  // 0, as `store_partial` does), no columns.
+  __device__ __forceinline__ void store_empty_partials() const {
+    if (dvc != 0) return;
+    for (int r = tid; r < BM; r += NT) {
+      const RowInfo ri = row_info(r);
+      if (!ri.valid) continue;
+      const int64_t pi = partial_base(ri) + seg;
+      p.ws_ml[2 * pi] = neg_inf();
+      p.ws_ml[2 * pi + 1] = 0.f;
+    }
+  }
+
+  // Counts this program into its group once its partials are stored; true
+  // for the last program of the group, which then merges. Every thread of
+  // the program calls it (two block barriers).
+  __device__ __forceinline__ bool arrive() const {
+    uint32_t* counter = p.ws_counters + (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+    __threadfence();  // release: this thread's partial stores before the count
+    __syncthreads();  // every thread of the program has stored and fenced
+    int last = 0;
+    if (tid == 0) last = atomicAdd(counter, 1u) == gridDim.z - 1;
+    if (!__syncthreads_or(last)) return false;
+    __threadfence();  // acquire: the group's partials after its counts
+    // Every program of the group has counted: zero for the next launch.
+    if (tid == 0) atomicExch(counter, 0u);
+    return true;
+  }
+
+  // The last program of a split group. Per valid row, one warp: its lanes
+  // read the segments' (max, sum) pairs (a lane per segment), the common
+  // maximum M over the segments with a nonzero sum and the head's sink
+  // (NaN-propagating), the total sum L, each segment's weight exp2(m_s - M)
+  // (into the tile region while BM x S of them fit, else recomputed per
+  // column chunk) and M and 1 / L (into red_m / red_l). A segment whose sum
+  // is 0 saw no key of the row: it is skipped (selected, not multiplied),
+  // and its columns are never read. One block barrier, then every column of
+  // each row (all value chunks), four per step, as the weighted sum of the
+  // segments' columns (reads in flight for several segments at a time),
+  // normalised, to the output.
+  __device__ __forceinline__ void merge_segments() const {
+    const AttnParams& p = this->p;
+    const int tid = this->tid, lane = this->lane, warp = this->warp, hs = this->hs, q_start = this->q_start;
+    const int S = p.num_segments;
+    float* row_m = this->red_m;
+    float* row_inv = this->red_l;
+    float* wts = this->merge;  // [BM][S] when they fit
+    constexpr int REGION_FLOATS = (SM::TILES > SM::MERGE ? SM::TILES : SM::MERGE) / 4;
+    const bool wts_fit = BM * S <= REGION_FLOATS;
+    // Weight of a segment the merge skips (a real weight is >= 0 or NaN).
+    constexpr float SKIP = -1.f;
+    const float* ml = p.ws_ml;
+    for (int r = warp; r < BM; r += NT / 32) {
+      const RowInfo ri = row_info(r);
+      if (!ri.valid) continue;  // uniform over the warp
+      const int64_t base = partial_base(ri);
+      float M = neg_inf();
+      for (int s = lane; s < S; s += 32) {
+        if (__ldcg(ml + 2 * (base + s) + 1) != 0.f) M = max_nan(M, __ldcg(ml + 2 * (base + s)));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) M = max_nan(M, __shfl_xor_sync(0xffffffffu, M, o));
+      float s2 = neg_inf();
+      if (p.sinks != nullptr) {
+        s2 = p.sinks[ri.head] * LOG2E;
+        M = max_nan(M, s2);
+      }
+      float L = 0.f;
+      for (int s = lane; s < S; s += 32) {
+        const float l = __ldcg(ml + 2 * (base + s) + 1);
+        const float w = l != 0.f ? exp2f(__ldcg(ml + 2 * (base + s)) - M) : SKIP;
+        if (l != 0.f) L += l * w;
+        if (wts_fit) wts[r * S + s] = w;
+      }
+      L = warp_sum(L);
+      if (p.sinks != nullptr) L += sink_mass(s2, M);
+      if (lane == 0) {
+        row_m[r] = M;
+        // L is 0 only for a row that saw no key and has no sink mass (every
+        // segment is skipped, so its columns are an exact 0); else >= 1 or NaN.
+        row_inv[r] = L == 0.f ? 0.f : 1.f / L;
+      }
+    }
+    __syncthreads();
+    const int C4 = (hs + 3) / 4;
+    const bool vec4 = (hs & 3) == 0;
+    for (int idx = tid; idx < BM * C4; idx += NT) {
+      const int r = idx / C4, col = (idx % C4) * 4;
+      const RowInfo ri = row_info(r);
+      if (!ri.valid) continue;
+      const int64_t base = partial_base(ri);
+      const float M = row_m[r];
+      float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
+      for (int s = 0; s < S; ++s) {
+        const float w = wts_fit ? wts[r * S + s]
+                        : __ldcg(ml + 2 * (base + s) + 1) != 0.f ? exp2f(__ldcg(ml + 2 * (base + s)) - M)
+                                                                 : SKIP;
+        if (w == SKIP) continue;
+        const float* a = p.ws_acc + (base + s) * hs + col;
+        if (vec4) {
+          const float4 x = __ldcg(reinterpret_cast<const float4*>(a));
+          o[0] += x.x * w;
+          o[1] += x.y * w;
+          o[2] += x.z * w;
+          o[3] += x.w * w;
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (col + e < hs) o[e] += __ldcg(a + e) * w;
+        }
+      }
+      const float inv = row_inv[r];
+      const int64_t oi = ((int64_t)(q_start + ri.q_rel) * p.num_heads + ri.head) * hs + col;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (col + e >= hs) continue;
+        const float y = o[e] * inv;
+        if (p.out_fp8) static_cast<fp8_t*>(p.out)[oi + e] = from_f32<fp8_t>(y * p.out_inv_scale);
+        else static_cast<T*>(p.out)[oi + e] = from_f32<T>(y);
+      }
     }
   }
 };
 
 // One tensor-core program: its rows and keys, Q staged, its segment's key
 // tiles streamed and accumulated, its warps merged, the output (or the
-// split-KV partials) written.
+// split-KV partials) written; with split KV, in decode-shaped programs, the
+// last program of the group then merges the partials into the output.
 template <typename T, typename C, class CF>
 __device__ __forceinline__ void attention_body(const AttnParams& p) {
   AttnProgram<T, C, CF> prog(p);
   if (!prog.locate()) return;
-  prog.load_q();
-  prog.init_tables();
-  using Prog = AttnProgram<T, C, CF>;
-  // This thread's fragment rows: score scales, running maxima and sums, and
-  // its WR x DV accumulator fragments.
-  typename Prog::RowMax rsc, rsc_log2, m_run, l_run;
-  typename Prog::Acc acc;
-  prog.init_rows(rsc, rsc_log2, acc, m_run, l_run);
-  prog.key_loop(rsc, rsc_log2, acc, m_run, l_run);
-  prog.merge_warps(acc, m_run, l_run);
-  prog.write_output();
+  // Decode-shaped programs merge their own split groups; prefill-shaped
+  // ones leave it to `reduce_segments_*` (see "Split KV").
+  const bool split = CF::WARPS_M == 1 && p.num_segments > 1;
+  if (split && prog.t_begin >= prog.t_end) {
+    prog.store_empty_partials();
+  } else {
+    prog.load_q();
+    prog.init_tables();
+    using Prog = AttnProgram<T, C, CF>;
+    // This thread's fragment rows: score scales, running maxima and sums, and
+    // its WR x DV accumulator fragments.
+    typename Prog::RowMax rsc, rsc_log2, m_run, l_run;
+    typename Prog::Acc acc;
+    prog.init_rows(rsc, rsc_log2, acc, m_run, l_run);
+    prog.key_loop(rsc, rsc_log2, acc, m_run, l_run);
+    prog.merge_warps(acc, m_run, l_run);
+    prog.write_output();
+  }
+  if (split && prog.arrive()) prog.merge_segments();
 }
 
-// The partial row `row` of a split-KV launch as an output token; false when
-// a mixed batch's decode launch holds no such row ((sequence, row) partials
-// of a sequence another launch owns, or past its new tokens).
+// Split KV of prefill-shaped launches (only under a forced segment count):
+// their programs store partials (as decode-shaped ones do) and leave the
+// merge to `reduce_segments_*`, a second launch, so that the 255-register
+// prefill instances carry no merge code. Partial rows are tokens.
+
+// The partial row `row` (a token) of a prefill-shaped split launch; false
+// when the token's sequence belongs to the other launch of a mixed batch
+// (its new-token count is outside [q_len_min, q_len_max]).
 __device__ __forceinline__ bool reduce_token(const AttnParams& p, int row, int64_t& token) {
   token = row;
-  if (p.ws_seq_rows > 0) {
-    // (sequence, row) partials of a mixed batch's decode launch.
-    const int seq = row / p.ws_seq_rows, q_rel = row % p.ws_seq_rows;
-    const int q_len = (int)(p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]);
-    if (q_len < p.q_len_min || q_len > p.q_len_max || q_rel >= q_len) return false;
-    token = (int64_t)p.cu_seqlens_q[seq] + q_rel;
+  // The token's sequence (binary search over the query spans).
+  int lo = 0, hi = p.num_seqs;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if ((int)p.cu_seqlens_q[mid] <= row) lo = mid + 1;
+    else hi = mid;
   }
-  return true;
+  const int seq = lo - 1;
+  if (seq < 0 || seq >= p.num_seqs) return false;
+  const int q_len = (int)(p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]);
+  return q_len >= p.q_len_min && q_len <= p.q_len_max;
 }
 
 // The common maximum M and total sum L of the S segments at `base` and the

@@ -73,11 +73,14 @@ pub use cache::{
 };
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
-pub use cuda::describe::{kernel_instance_reports, KernelInstanceReport};
+pub use cuda::describe::{kernel_instance_reports, KernelInstanceReport, LaunchResidency};
 pub use metadata::{AttentionMetadata, LayerBatch, WindowGroup};
 pub use ops::layer_ops::{add_rms_norm, gated_activation, rms_norm};
 #[cfg(feature = "cuda")]
 pub use ops::paged_attention::cuda_launch_plan;
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub use ops::paged_attention::cuda_launch_residency;
 pub use ops::paged_attention::{paged_attention, PagedAttention};
 pub use ops::reshape_and_cache::{reshape_and_cache, ReshapeAndCache};
 pub use ops::rotary_cache::{rotary_reshape_and_cache, RotaryRows};

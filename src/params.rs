@@ -17,7 +17,8 @@ use crate::batch::PagedBatch;
 pub const MAX_HEAD_SIZE: usize = 512;
 
 /// How the CUDA path splits the keys of the decode-shaped programs across
-/// segments (their partials are merged by a reduction kernel).
+/// segments (the last program of each group of segments merges their
+/// partials, in the same launch).
 /// The CPU path computes the same function whatever the choice.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvSplit {
@@ -30,7 +31,8 @@ pub enum KvSplit {
     /// Always the single-pass (2D) kernel.
     Never,
     /// Always the split-KV path with this many segments per sequence (at
-    /// least 1), whatever the batch.
+    /// least 1), whatever the batch (prefill-shaped launches then merge
+    /// their partials in a second, reduction launch).
     Segments(u32),
     /// As [`Auto`](Self::Auto), but planned for sequences of up to this
     /// many keys instead of the batch's own lengths, so the launches depend

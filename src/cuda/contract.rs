@@ -32,6 +32,7 @@ pub(crate) struct AttnParams {
     pub(crate) qq_bias: u64,
     pub(crate) ws_acc: u64,
     pub(crate) ws_ml: u64,
+    pub(crate) ws_counters: u64,
     pub(crate) block_stride: i64,
     pub(crate) num_seqs: i32,
     pub(crate) num_tokens: i32,
@@ -60,7 +61,7 @@ pub(crate) struct AttnParams {
 }
 
 /// Bytes of `cpa::AttnParams`; kernels/attention_params.cuh asserts the same.
-pub(crate) const ATTN_PARAMS_BYTES: usize = 208;
+pub(crate) const ATTN_PARAMS_BYTES: usize = 216;
 const _: () = assert!(std::mem::size_of::<AttnParams>() == ATTN_PARAMS_BYTES);
 
 // SAFETY: a `#[repr(C)]` block of integers and floats whose layout matches
@@ -72,7 +73,7 @@ unsafe impl DeviceRepr for AttnParams {}
 /// `(field, byte offset)` of every field of [`AttnParams`], in order (what
 /// the header's `offsetof` assertions are compared with).
 #[cfg(test)]
-pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 38] = [
+pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 39] = [
     ("q", offset_of!(AttnParams, q)),
     ("k_cache", offset_of!(AttnParams, k_cache)),
     ("v_cache", offset_of!(AttnParams, v_cache)),
@@ -86,6 +87,7 @@ pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 38] = [
     ("qq_bias", offset_of!(AttnParams, qq_bias)),
     ("ws_acc", offset_of!(AttnParams, ws_acc)),
     ("ws_ml", offset_of!(AttnParams, ws_ml)),
+    ("ws_counters", offset_of!(AttnParams, ws_counters)),
     ("block_stride", offset_of!(AttnParams, block_stride)),
     ("num_seqs", offset_of!(AttnParams, num_seqs)),
     ("num_tokens", offset_of!(AttnParams, num_tokens)),

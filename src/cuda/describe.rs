@@ -1,14 +1,17 @@
 //! Reports on the launch plan: `describe` (the plan of one call in words,
-//! behind `cuda_launch_plan`) and the hidden per-instance report that the
-//! kernel-contract GPU test compares with the driver. Both read the
-//! per-device cached limits; neither launches anything.
+//! behind `cuda_launch_plan`), the hidden per-launch residency report of one
+//! call (behind `cuda_launch_residency`, which tests/launch_plan_cuda.rs
+//! compares with the driver) and the hidden per-instance report that the
+//! kernel-contract GPU test compares with the driver. They read the
+//! per-device cached limits and occupancies; none launches anything.
 //!
 //! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
 
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result};
 
-use super::plan::{plan, resident_programs};
+use super::occupancy::{driver_resident, Residency};
+use super::plan::{plan, resident_programs, Instance, Plan};
 use super::tiles::{instance_name, smem_bytes, tile_shape, Kind, HEAD_SIZES};
 use super::{device_limits, function, ptx, ATTENTION_MODULE};
 use crate::params::{AttentionDims, PagedAttentionParams};
@@ -21,10 +24,10 @@ pub(crate) fn describe(
     dev: &CudaDevice,
     q_dtype: DType,
 ) -> Result<String> {
-    if q_dtype == DType::F32 {
+    let Some(dtype_name) = tensor_core_dtype(q_dtype) else {
         return Ok("scalar f32".to_string());
-    }
-    let plan = plan(params, dims, &device_limits(dev)?)?;
+    };
+    let plan = call_plan(params, dims, dev, dtype_name)?;
     let parts: Vec<String> = plan
         .parts
         .iter()
@@ -35,6 +38,103 @@ pub(crate) fn describe(
         })
         .collect();
     Ok(parts.join(" + "))
+}
+
+/// The kernel-name dtype of the tensor-core path for `q_dtype` (`None`: f32,
+/// the scalar path, which has no plan).
+fn tensor_core_dtype(q_dtype: DType) -> Option<&'static str> {
+    match q_dtype {
+        DType::BF16 => Some("bf16"),
+        DType::F16 => Some("f16"),
+        _ => None,
+    }
+}
+
+/// The plan `forward` makes for this call on `dev` (the driver's occupancy
+/// of each instance, cached).
+fn call_plan(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    dev: &CudaDevice,
+    dtype_name: &'static str,
+) -> Result<Plan> {
+    let limits = device_limits(dev)?;
+    let residency = Residency {
+        dev,
+        limits: &limits,
+        dtype_name,
+        fp8: params.key_cache.dtype() == DType::F8E4M3,
+    };
+    plan(params, dims, &limits, &|kind, tile, head| {
+        residency.resident(kind, tile, head)
+    })
+}
+
+/// One launch of a call's plan: the programs per SM the plan sized its
+/// split-KV waves with, next to the driver's occupancy of the kernel the
+/// launch runs. Not part of the API: it exists so that a GPU test can check
+/// that every launch decision rests on the device's own figures.
+#[doc(hidden)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchResidency {
+    /// The kernel the launch runs.
+    pub name: String,
+    /// Threads per program of the launch.
+    pub threads: usize,
+    /// Dynamic shared memory per program of the launch (bytes).
+    pub smem: usize,
+    /// Split-KV segments of the launch (1: no split).
+    pub segments: usize,
+    /// Programs per SM the plan assumed for this launch.
+    pub planned_resident: usize,
+    /// Programs per SM from the occupancy API, asked now (uncached) for the
+    /// launched kernel at `threads` and `smem`.
+    pub driver_resident: usize,
+    /// Programs per SM by shared memory alone: the device's shared memory
+    /// per SM over `smem` plus its reservation per program (an upper bound
+    /// of the driver's figure).
+    pub smem_resident: usize,
+    /// Streaming multiprocessors of the device.
+    pub sms: usize,
+}
+
+/// The launches of `forward`'s plan for this call (one, or two for a mixed
+/// batch; none for f32 queries, which run the scalar kernel), each with the
+/// plan's and the driver's residency. Not part of the API (see
+/// [`LaunchResidency`]).
+pub(crate) fn launch_residency(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    dev: &CudaDevice,
+    q_dtype: DType,
+) -> Result<Vec<LaunchResidency>> {
+    let Some(dtype_name) = tensor_core_dtype(q_dtype) else {
+        return Ok(Vec::new());
+    };
+    let limits = device_limits(dev)?;
+    let fp8 = params.key_cache.dtype() == DType::F8E4M3;
+    let plan = call_plan(params, dims, dev, dtype_name)?;
+    plan.parts
+        .iter()
+        .flatten()
+        .map(|part| {
+            let Instance {
+                name,
+                threads,
+                smem,
+            } = plan.instance(part, dtype_name, fp8);
+            Ok(LaunchResidency {
+                driver_resident: driver_resident(dev, &name, threads, smem)?,
+                smem_resident: limits.smem_per_sm / (smem + limits.reserved_smem_per_block),
+                planned_resident: part.resident,
+                segments: part.segments,
+                sms: limits.sms,
+                name,
+                threads,
+                smem,
+            })
+        })
+        .collect()
 }
 
 /// One tensor-core kernel instance: what the launch plan assumes of it next
@@ -49,10 +149,12 @@ pub struct KernelInstanceReport {
     pub planned_threads: usize,
     /// Dynamic shared memory per program the launch requests (bytes).
     pub planned_smem: usize,
-    /// Programs per SM the plan assumes (shared memory per SM and the tile
-    /// table's register bound). Only decode-shaped instances' figures drive
-    /// a decision (the split-KV segment count); for prefill-shaped ones it is
-    /// a lower bound.
+    /// The host-side estimate of the programs per SM (shared memory per SM
+    /// and the tile table's register bound), which the host tests plan
+    /// with; the launches plan with the driver's occupancy instead (see
+    /// [`LaunchResidency`]). For decode-shaped instances it is expected to
+    /// equal the driver's figure; for prefill-shaped ones it is a lower
+    /// bound.
     pub planned_resident: usize,
     /// True for decode-shaped instances, whose residency the split-KV
     /// heuristic uses.

@@ -12,6 +12,7 @@ pub(crate) mod contract;
 pub(crate) mod describe;
 pub(crate) mod layer_ops;
 pub(crate) mod layer_shapes;
+pub(crate) mod occupancy;
 pub(crate) mod paged_attention;
 pub(crate) mod plan;
 pub(crate) mod reshape_and_cache;
@@ -144,7 +145,8 @@ pub(crate) struct DeviceLimits {
     pub(crate) sms: usize,
     /// Most dynamic shared memory one program may opt in to (bytes).
     pub(crate) max_smem_per_block: usize,
-    /// Shared memory of one SM (bytes; 228 KiB on Hopper).
+    /// Shared memory of one SM (bytes; e.g. 228 KiB on Hopper, 164 KiB on an
+    /// A100).
     pub(crate) smem_per_sm: usize,
     /// Shared memory the driver reserves per resident program (bytes; 1 KiB
     /// on Hopper).

@@ -1,11 +1,14 @@
-//! Launches of `PagedAttention` on CUDA: the parameter block, the kernel
-//! launches of a plan (decided in `plan`) and the split-KV reduce into the
-//! per-device workspace (owned by `workspace`).
+//! Launches of `PagedAttention` on CUDA: the parameter block and the kernel
+//! launches of a plan (decided in `plan`), with the split-KV partials and
+//! arrival counters in the per-device workspace (owned by `workspace`).
 //!
 //! f16/bf16 queries run the tensor-core kernel
 //! (`unified_attention_h{HEAD}_{kind}_{dtype}[_fp8]`), either writing the
 //! output directly (one segment) or writing split-KV partials into the
-//! workspace that `reduce_segments_{dtype}` merges. f32 queries run
+//! workspace. A decode-shaped launch merges its own partials (the last
+//! program of each split group, in the same launch); a prefill-shaped one,
+//! which splits only under `KvSplit::Segments`, leaves them to
+//! `reduce_segments_{dtype}`. f32 queries run
 //! `unified_attention_scalar_f32[_fp8]`.
 //!
 //! * Tile shapes: sequences whose new tokens (times the packed heads of a KV
@@ -24,7 +27,8 @@
 //!
 //! `launch` runs named steps: `gather_params` (device addresses, their
 //! guards and the parameter block), then `launch_scalar` for f32, or
-//! `ensure_workspace`, `launch_parts` and `launch_reduce`. Every launch
+//! `ensure_workspace`, `launch_parts` and `launch_reduce` (a split prefill
+//! part only). Every launch
 //! goes through `launch_attention` (grid check, then launch).
 //!
 //! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
@@ -39,8 +43,9 @@ use candle_core::{
 };
 
 use super::contract::AttnParams;
-use super::plan::{plan, Plan};
-use super::tiles::{instance_name, smem_bytes, Kind};
+use super::occupancy::Residency;
+use super::plan::{plan, Instance, Part, Plan};
+use super::tiles::Kind;
 use super::workspace::{self, Workspace};
 use super::{
     cuda_storage, device_address, fill_nan, function, optional_address, poison_outputs, ptx,
@@ -102,8 +107,8 @@ pub(crate) fn forward(
 
 /// Enqueues the kernels of one forward on the query's stream, writing `out`:
 /// gathers the parameter block, then runs the f32 scalar kernel, or the
-/// tensor-core parts of the plan followed by the split-KV reduce when a part
-/// splits.
+/// tensor-core parts of the plan (a split decode-shaped part merges its own
+/// partials), then the reduce of a split prefill-shaped part.
 fn launch(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
@@ -137,7 +142,15 @@ fn launch(
     let mut spaces = workspace::lock()?;
     let ws = workspace::for_device(&mut spaces, &dev)?;
     let limits = ws.limits;
-    let plan = plan(params, dims, &limits)?;
+    let residency = Residency {
+        dev: &dev,
+        limits: &limits,
+        dtype_name,
+        fp8: cache_fp8,
+    };
+    let plan = plan(params, dims, &limits, &|kind, tile, head| {
+        residency.resident(kind, tile, head)
+    })?;
     let split = SplitLayout::of(&plan, params, dims);
     p.ws_seq_rows = plan.ws_seq_rows as i32;
     let _ws_sync = ensure_workspace(ws, &dev, &stream, &split, dims, &mut p)?;
@@ -148,8 +161,10 @@ fn launch(
         cache_fp8,
     };
     launch_parts(&kernels, &plan, &limits, dims, &mut p)?;
-    if split.segments > 1 {
-        launch_reduce(&kernels, &plan, &split, dims, &mut p)?;
+    for part in plan.parts.iter().flatten() {
+        if part.kind == Kind::Prefill && part.segments > 1 {
+            launch_reduce(&kernels, &plan, part, dims, &mut p)?;
+        }
     }
     Ok(())
 }
@@ -302,6 +317,7 @@ fn gather_params<'a>(
         qq_bias: qq_a,
         ws_acc: 0,
         ws_ml: 0,
+        ws_counters: 0,
         block_stride: (dims.block_size * dims.num_kv_heads * hs) as i64,
         num_seqs: check_i32("num_seqs", host.num_seqs())?,
         num_tokens: check_i32("num_tokens", dims.num_tokens)?,
@@ -360,11 +376,13 @@ fn launch_scalar(
     unsafe { launch_attention(stream, &func, cfg, p) }
 }
 
-/// The split-KV partials of one call: segments of the most split part and
-/// the rows the partials are indexed by.
+/// The split-KV partials of one call: segments of the most split part, the
+/// rows the partials are indexed by and the arrival counters (one per
+/// (grid x, grid y) of a split decode-shaped part; 0 when none splits).
 struct SplitLayout {
     segments: usize,
     partial_rows: usize,
+    counters: usize,
 }
 
 impl SplitLayout {
@@ -381,19 +399,31 @@ impl SplitLayout {
         } else {
             dims.num_tokens
         };
+        let counters = plan
+            .parts
+            .iter()
+            .flatten()
+            .filter(|p| p.kind == Kind::Decode && p.segments > 1)
+            .map(|p| p.grid_x * dims.num_kv_heads * p.head_chunks)
+            .max()
+            .unwrap_or(0);
         Self {
             segments,
             partial_rows,
+            counters,
         }
     }
 }
 
-/// Grows the device's workspace for this call's split-KV partials and points
-/// `p.ws_acc`/`p.ws_ml` into it (poisoned when poisoning is on). Returns the
-/// buffer's guard, to drop after the launches; `None` when nothing splits.
+/// Grows the device's workspace for this call's split-KV partials and
+/// arrival counters (when a decode-shaped part splits) and points
+/// `p.ws_acc`/`p.ws_ml`/`p.ws_counters` into it (the partials poisoned when
+/// poisoning is on; the counters never: they are zero between launches). Returns the buffers' guards, to drop after
+/// the launches; empty when nothing splits.
 ///
 /// Partials: [partial_rows, num_heads, segments, head_size] outputs and
-/// [.., 2] (max, sum) pairs, in one reusable buffer.
+/// [.., 2] (max, sum) pairs, in one reusable buffer; counters: one u32 per
+/// (grid x, grid y) of a split launch, in another.
 fn ensure_workspace<'a>(
     ws: &'a mut Workspace,
     dev: &CudaDevice,
@@ -401,24 +431,35 @@ fn ensure_workspace<'a>(
     split: &SplitLayout,
     dims: &AttentionDims,
     p: &mut AttnParams,
-) -> Result<Option<SyncOnDrop<'a>>> {
+) -> Result<Vec<SyncOnDrop<'a>>> {
+    if split.segments <= 1 {
+        return Ok(Vec::new());
+    }
     let hs = dims.head_size;
     let partials = split.partial_rows * dims.num_heads * split.segments;
-    let ws_len = if split.segments > 1 {
-        partials * (hs + 2)
-    } else {
-        0
-    };
+    let ws_len = partials * (hs + 2);
     ws.grow(dev, ws_len)?;
+    ws.grow_counters(dev, split.counters)?;
+    let ws: &'a Workspace = ws;
     let Some((base, guard)) = ws.address(ws_len, stream) else {
-        return Ok(None);
+        bail!("{OP}: split-kv workspace of {ws_len} floats is missing after growing it");
     };
     p.ws_acc = base;
     p.ws_ml = base + (partials * hs * 4) as u64;
     if poison_outputs() {
         fill_nan(base, ws_len * 4, stream)?;
     }
-    Ok(Some(guard))
+    let mut guards = vec![guard];
+    if let Some((counters, counters_guard)) = ws.counters_address(split.counters, stream) {
+        p.ws_counters = counters;
+        guards.push(counters_guard);
+    } else if split.counters > 0 {
+        bail!(
+            "{OP}: {} split-kv counters are missing after growing them",
+            split.counters
+        );
+    }
+    Ok(guards)
 }
 
 /// What every tensor-core launch of one call shares.
@@ -445,8 +486,7 @@ fn launch_parts(
         p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
         p.num_segments = part.segments as i32;
         p.seq_programs = (part.kind == Kind::Decode) as i32;
-        let name = instance_name(plan.head, part.kind, &part.tile, k.dtype_name, k.cache_fp8);
-        let smem = smem_bytes(&part.tile, plan.head, k.cache_fp8);
+        let Instance { name, smem, .. } = plan.instance(part, k.dtype_name, k.cache_fp8);
         if smem > limits.max_smem_per_block {
             bail!(
                 "{OP}: head size {} needs {smem} bytes of shared memory per program, this device allows {}",
@@ -483,31 +523,32 @@ fn launch_parts(
     Ok(())
 }
 
-/// The split-KV reduce (`reduce_segments_{dtype}`): one program per partial
-/// row and head; with (sequence, row) rows, rows past a sequence's span or of
-/// the unsplit launch exit.
+/// The split-KV reduce of a prefill-shaped part (`reduce_segments_{dtype}`;
+/// decode-shaped parts merge their own partials): one program per token and
+/// head; tokens of the other launch's sequences exit.
 fn launch_reduce(
     k: &Kernels<'_>,
     plan: &Plan,
-    split: &SplitLayout,
+    part: &Part,
     dims: &AttentionDims,
     p: &mut AttnParams,
 ) -> Result<()> {
-    p.num_segments = split.segments as i32;
-    p.q_len_min = 0;
-    p.q_len_max = if plan.ws_seq_rows > 0 {
-        plan.ws_seq_rows as i32
-    } else {
-        i32::MAX
-    };
+    if plan.ws_seq_rows > 0 {
+        bail!("{OP}: a prefill-shaped launch split with (sequence, row) partials");
+    }
+    p.num_segments = part.segments as i32;
+    p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
+    p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
     let name = format!("reduce_segments_{}", k.dtype_name);
     let func = function(k.dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
-    let partial_rows = split.partial_rows;
-    let rows = u32::try_from(partial_rows)
+    let rows = u32::try_from(dims.num_tokens)
         .ok()
         .filter(|&x| x < i32::MAX as u32)
         .ok_or_else(|| {
-            candle_core::Error::Msg(format!("{OP}: {partial_rows} partial rows is too many"))
+            candle_core::Error::Msg(format!(
+                "{OP}: {} partial rows is too many",
+                dims.num_tokens
+            ))
         })?;
     let cfg = LaunchConfig {
         grid_dim: (rows, dims.num_heads as u32, 1),
@@ -515,7 +556,7 @@ fn launch_reduce(
         shared_mem_bytes: 0,
     };
     // SAFETY: as for `launch_parts`; the reduce reads the partials the
-    // attention launches just wrote on the same stream, in the workspace
+    // prefill-shaped launch just wrote on the same stream, in the workspace
     // `ensure_workspace` sized for them.
     unsafe { launch_attention(k.stream, &func, cfg, p) }
 }

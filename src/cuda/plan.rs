@@ -1,19 +1,24 @@
 //! Launch planning of `PagedAttention` on CUDA: which tile shapes a call
 //! launches (one part, or two for a batch that mixes decode-shaped and
-//! longer sequences), how many split-KV segments each part uses, and the
-//! residency estimate those segment counts rest on.
+//! longer sequences) and how many split-KV segments each part uses.
+//!
+//! Every figure about the device comes from the caller: the SM count from
+//! `DeviceLimits` and the programs of each instance resident per SM from a
+//! `resident` function (on a GPU, the driver's occupancy of the instance
+//! the launch uses, see `occupancy`; in the host tests, the arithmetic
+//! estimate `resident_programs` over fake limits).
 //!
 //! Owns `Part`, `Plan`, `plan`, `resident_programs`, `choose_segments` and
 //! `MAX_SEGMENTS`. Pure host-side arithmetic on the batch's host copies and
-//! the device limits: it allocates and launches nothing.
+//! the figures it is given: it allocates and launches nothing.
 //!
 //! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
 
 use std::sync::OnceLock;
 
-use candle_core::{bail, DType, Result};
+use candle_core::{bail, Result};
 
-use super::tiles::{smem_bytes, tile_shape, Kind, TileShape, HEAD_SIZES};
+use super::tiles::{instance_name, smem_bytes, tile_shape, Kind, TileShape, HEAD_SIZES};
 use super::DeviceLimits;
 use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
 
@@ -30,6 +35,9 @@ pub(super) struct Part {
     pub(super) tile: TileShape,
     /// Split-KV segments of this launch (1: it writes the output).
     pub(super) segments: usize,
+    /// Programs of this launch's instance resident per SM, as the plan was
+    /// given them (what its split-KV waves are sized with).
+    pub(super) resident: usize,
     pub(super) group_entries: usize,
     pub(super) head_chunks: usize,
     pub(super) grid_x: usize,
@@ -47,6 +55,27 @@ pub(super) struct Plan {
     /// row `seq * ws_seq_rows + row`), for a mixed batch's decode launch.
     pub(super) ws_seq_rows: usize,
     pub(super) parts: [Option<Part>; 2],
+}
+
+/// The kernel instance one part launches: its name, threads and dynamic
+/// shared memory per program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Instance {
+    pub(super) name: String,
+    pub(super) threads: usize,
+    pub(super) smem: usize,
+}
+
+impl Plan {
+    /// The instance `part` launches for `dtype_name` (`"bf16"`/`"f16"`)
+    /// queries over a plain or fp8 cache.
+    pub(super) fn instance(&self, part: &Part, dtype_name: &str, fp8: bool) -> Instance {
+        Instance {
+            name: instance_name(self.head, part.kind, &part.tile, dtype_name, fp8),
+            threads: part.tile.threads(),
+            smem: smem_bytes(&part.tile, self.head, fp8),
+        }
+    }
 }
 
 /// The part of `kind` with tile `tile` serving the sequences whose new-token
@@ -71,6 +100,7 @@ fn part(
         kind,
         tile,
         segments: 1,
+        resident: 1,
         group_entries,
         head_chunks: group.div_ceil(group_entries),
         grid_x,
@@ -79,12 +109,19 @@ fn part(
     }
 }
 
-/// The launch plan of one call on a device with `limits`: the parts, their
-/// split-KV segments and the workspace row layout.
+/// Programs of an instance resident per SM: `resident(kind, tile, head)`
+/// for the instance of `kind` with `tile` at padded head size `head` (the
+/// call's query dtype and cache kind).
+pub(super) type ResidentFn<'a> = dyn Fn(Kind, &TileShape, usize) -> Result<usize> + 'a;
+
+/// The launch plan of one call on a device with `limits` whose instances
+/// fit `resident` programs per SM: the parts, their split-KV segments and
+/// the workspace row layout.
 pub(super) fn plan(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
     limits: &DeviceLimits,
+    resident: &ResidentFn<'_>,
 ) -> Result<Plan> {
     let sms = limits.sms;
     let host = params.batch.host();
@@ -100,16 +137,21 @@ pub(super) fn plan(
     // Longest span whose rows (times the packed heads) fit one decode-shaped program.
     let fits = 16 / group.min(16);
     let decode = tile_shape(Kind::Decode, head, false);
-    // Prefill programs of 128 rows: less than a wave takes 64-row ones.
-    let prefill_programs: usize = (0..n)
-        .filter(|&i| host.q_len(i) > fits)
-        .map(|i| host.q_len(i).div_ceil(128 / group.min(128)))
-        .sum::<usize>()
-        * dims.num_kv_heads
-        * group.div_ceil(128);
+    // Prefill programs of 128 rows: less than a wave (of the programs the
+    // device holds) takes 64-row ones. Above head size 128 both are one tile.
     let small = match prefill_tile_override() {
         Some(rows) => rows == 64,
-        None => prefill_programs < 2 * sms,
+        None if head > 128 || host.max_seqlen_q() <= fits => false,
+        None => {
+            let prefill_programs: usize = (0..n)
+                .filter(|&i| host.q_len(i) > fits)
+                .map(|i| host.q_len(i).div_ceil(128 / group.min(128)))
+                .sum::<usize>()
+                * dims.num_kv_heads
+                * group.div_ceil(128);
+            let big = tile_shape(Kind::Prefill, head, false);
+            prefill_programs < resident(Kind::Prefill, &big, head)? * sms
+        }
     };
     let prefill = tile_shape(Kind::Prefill, head, small);
     let parts = if host.max_seqlen_q() <= fits {
@@ -123,17 +165,19 @@ pub(super) fn plan(
         [Some(part(Kind::Prefill, prefill, dims, n, all)), None]
     };
     let dv_chunks = head / head.min(256);
-    let fp8 = params.key_cache.dtype() == DType::F8E4M3;
+    let mut parts = parts;
+    for p in parts.iter_mut().flatten() {
+        p.resident = resident(p.kind, &p.tile, head)?;
+    }
     // Split so that the decode-shaped programs, one per (sequence, KV head,
     // chunk), fill whole waves of resident programs, with at least 128
     // visible keys per segment.
     let auto_segments = |p: &Part, seqs: usize, max_keys: usize| {
         let active = seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
-        let slots = resident_programs(&p.tile, head, fp8, limits) * sms;
+        let slots = p.resident * sms;
         let keys = params.sliding_window.map_or(max_keys, |w| w.min(max_keys));
         choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
     };
-    let mut parts = parts;
     let mut ws_seq_rows = 0;
     match (params.kv_split, &mut parts) {
         (KvSplit::Never, _) => {}
@@ -198,9 +242,13 @@ fn prefill_tile_override() -> Option<usize> {
     })
 }
 
-/// Programs of one instance resident on one SM: the device's shared memory
-/// per SM over the instance's bytes plus the driver's reservation per
-/// program, and the register limit (`TileShape::max_resident`).
+/// The host-side estimate of the programs of one instance resident on one
+/// SM: the device's shared memory per SM over the instance's bytes plus the
+/// driver's reservation per program, and the register limit
+/// (`TileShape::max_resident`, as compiled for sm_90). The launches use the
+/// driver's occupancy instead (`occupancy`); this is what the host tests
+/// plan with, and what the kernel-contract GPU test checks against the
+/// driver.
 pub(super) fn resident_programs(
     tile: &TileShape,
     head: usize,
@@ -235,6 +283,131 @@ fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batch::PagedBatch;
+    use candle_core::{DType, Device, Tensor};
+
+    /// An H100 / H200: 132 SMs, 228 KiB of shared memory per SM, 227 KiB
+    /// per program.
+    const HOPPER: DeviceLimits = DeviceLimits {
+        sms: 132,
+        max_smem_per_block: 227 * 1024,
+        smem_per_sm: 228 * 1024,
+        reserved_smem_per_block: 1024,
+    };
+    /// An A100: 108 SMs, 164 KiB of shared memory per SM, 163 KiB per
+    /// program.
+    const A100: DeviceLimits = DeviceLimits {
+        sms: 108,
+        max_smem_per_block: 163 * 1024,
+        smem_per_sm: 164 * 1024,
+        reserved_smem_per_block: 1024,
+    };
+
+    /// Llama-shaped attention (32 query heads, 8 KV heads, head size
+    /// `head`) over a bf16 (or fp8) cache of block size 16 whose tables all
+    /// point at block 0, for sequences of `(new tokens, keys)`; the bf16
+    /// query and its params.
+    fn call(head: usize, fp8: bool, seqs: &[(u32, u32)]) -> (Tensor, PagedAttentionParams) {
+        let dev = Device::Cpu;
+        let mut cu = vec![0u32];
+        for &(q, _) in seqs {
+            cu.push(cu[cu.len() - 1] + q);
+        }
+        let lens: Vec<u32> = seqs.iter().map(|&(_, k)| k).collect();
+        let rows: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&k| vec![0; k.div_ceil(16) as usize])
+            .collect();
+        let batch = PagedBatch::from_rows(&cu, &lens, &rows, 16, &dev).expect("batch");
+        let cache_dtype = if fp8 { DType::F8E4M3 } else { DType::BF16 };
+        let cache = Tensor::zeros((1, 16, 8, head), cache_dtype, &dev).expect("cache");
+        let tokens = cu[cu.len() - 1] as usize;
+        let q = Tensor::zeros((tokens, 32, head), DType::BF16, &dev).expect("q");
+        (q, PagedAttentionParams::new(&cache, &cache, &batch, 0.1))
+    }
+
+    /// The plan of `call(..)` on `limits` with the host-side residency
+    /// estimate.
+    fn plan_on(q: &Tensor, params: &PagedAttentionParams, limits: &DeviceLimits) -> Plan {
+        let dims = params
+            .validate(q.dtype(), q.shape(), q.device())
+            .expect("valid call");
+        let fp8 = params.key_cache.dtype() == DType::F8E4M3;
+        plan(params, &dims, limits, &|_, tile, head| {
+            Ok(resident_programs(tile, head, fp8, limits))
+        })
+        .expect("plan")
+    }
+
+    #[test]
+    fn residency_follows_the_devices_shared_memory() {
+        let decode = |head| tile_shape(Kind::Decode, head, false);
+        // Decode h128 (75,520 bytes bf16, 73,472 fp8): 3 per Hopper SM, 2 per A100 SM.
+        assert_eq!(smem_bytes(&decode(128), 128, false), 75_520);
+        assert_eq!(resident_programs(&decode(128), 128, false, &HOPPER), 3);
+        assert_eq!(resident_programs(&decode(128), 128, false, &A100), 2);
+        assert_eq!(resident_programs(&decode(128), 128, true, &HOPPER), 3);
+        assert_eq!(resident_programs(&decode(128), 128, true, &A100), 2);
+        // Decode h64 (40,704 bytes): the register bound (4) on both.
+        assert_eq!(smem_bytes(&decode(64), 64, false), 40_704);
+        assert_eq!(resident_programs(&decode(64), 64, false, &HOPPER), 4);
+        assert_eq!(resident_programs(&decode(64), 64, false, &A100), 4);
+        // Decode h256 (145,152 bytes): one program on either.
+        assert_eq!(resident_programs(&decode(256), 256, false, &HOPPER), 1);
+        assert_eq!(resident_programs(&decode(256), 256, false, &A100), 1);
+    }
+
+    #[test]
+    fn split_kv_waves_are_sized_for_the_device() {
+        // 4 sequences x 8 KV heads = 32 decode programs, 8192 keys (64
+        // segments at most): as many segments as fill one wave.
+        let (q, params) = call(128, false, &[(1, 8192); 4]);
+        let p = plan_on(&q, &params, &HOPPER).parts[0].expect("one part");
+        assert_eq!(
+            (p.kind, p.resident, p.segments),
+            (Kind::Decode, 3, 396 / 32)
+        );
+        let p = plan_on(&q, &params, &A100).parts[0].expect("one part");
+        assert_eq!(
+            (p.kind, p.resident, p.segments),
+            (Kind::Decode, 2, 216 / 32)
+        );
+        // The plan sizes its waves with the figure it is given, not its own.
+        let dims = params
+            .validate(q.dtype(), q.shape(), q.device())
+            .expect("valid");
+        let given = plan(&params, &dims, &HOPPER, &|_, _, _| Ok(1)).expect("plan");
+        let p = given.parts[0].expect("one part");
+        assert_eq!((p.resident, p.segments), (1, 132 / 32));
+        // 64 sequences: 512 programs on 396 (Hopper) or 216 (A100) slots;
+        // the waves come within 3% of full ones at 10 and 5 segments.
+        let (q, params) = call(128, false, &[(1, 8192); 64]);
+        let p = plan_on(&q, &params, &HOPPER).parts[0].expect("one part");
+        assert_eq!(p.segments, choose_segments(512, 396, 64));
+        assert_eq!(p.segments, 10);
+        let p = plan_on(&q, &params, &A100).parts[0].expect("one part");
+        assert_eq!(p.segments, choose_segments(512, 216, 64));
+        assert_eq!(p.segments, 5);
+    }
+
+    #[test]
+    fn prefill_tile_follows_the_resident_programs() {
+        // 3 sequences of 1024 new tokens, 32 query rows (x 4 heads of a KV
+        // group) per 128-row program: 3 x 32 x 8 KV heads = 768 programs.
+        let (q, params) = call(128, false, &[(1024, 1024); 3]);
+        let dims = params
+            .validate(q.dtype(), q.shape(), q.device())
+            .expect("valid");
+        let rows_with = |resident: usize| {
+            let pl = plan(&params, &dims, &HOPPER, &|_, _, _| Ok(resident)).expect("plan");
+            let p = pl.parts[0].expect("one part");
+            assert_eq!(p.kind, Kind::Prefill);
+            p.tile.rows()
+        };
+        // 768 programs: at least a wave of 2 x 132, less than one of 6 x 132.
+        assert_eq!(rows_with(2), 128);
+        assert_eq!(rows_with(6), 64);
+    }
 
     #[test]
     fn segments_fill_waves() {

@@ -48,12 +48,13 @@ pub(crate) struct TileShape {
     pub(crate) stages: usize,
     /// Programs of this instance per SM that its registers allow (the
     /// register file over the registers one program uses, as compiled).
-    /// `resident_programs` takes the smaller of this and the shared-memory
-    /// limit. For decode-shaped instances, whose residency sizes the split-KV
-    /// waves, that result is expected to equal the driver's occupancy at the
-    /// planned shared memory; for prefill-shaped ones it is a lower bound of
-    /// the driver's (tests/kernel_contract.rs checks both, per instance, on
-    /// a GPU). It is not the minimum programs per SM of the instance's
+    /// `resident_programs`, the host-side estimate the host tests plan with,
+    /// takes the smaller of this and the shared-memory limit (the launches
+    /// plan with the driver's occupancy of the instance instead). For
+    /// decode-shaped instances that estimate is expected to equal the
+    /// driver's occupancy at the planned shared memory; for prefill-shaped
+    /// ones it is a lower bound of the driver's (tests/kernel_contract.rs
+    /// checks both, per instance, on a GPU). It is not the minimum programs per SM of the instance's
     /// `__launch_bounds__`: decode h256 and h512 are compiled with a minimum
     /// of 1, and prefill instances with 1, yet more may be resident.
     pub(crate) max_resident: usize,

@@ -229,6 +229,27 @@ pub fn cuda_launch_plan(q: &Tensor, params: &PagedAttentionParams) -> Result<Str
     }
 }
 
+/// The launches of `paged_attention(q, params)` on CUDA, each with the
+/// programs per SM its plan assumed and the driver's occupancy of the kernel
+/// it runs (empty for f32 queries). Not part of the API: it exists so that a
+/// GPU test can check the plan against the device; `q` is
+/// `(num_tokens, num_heads, head_size)` on a CUDA device.
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub fn cuda_launch_residency(
+    q: &Tensor,
+    params: &PagedAttentionParams,
+) -> Result<Vec<crate::cuda::describe::LaunchResidency>> {
+    let dims = params.validate(q.dtype(), q.shape(), q.device())?;
+    match q.device() {
+        Device::Cuda(dev) => crate::cuda::describe::launch_residency(params, &dims, dev, q.dtype()),
+        other => bail!(
+            "{OP}: cuda_launch_residency needs a cuda device, got {:?}",
+            other.location()
+        ),
+    }
+}
+
 /// Paged attention for a mixed batch of prefills, chunked prefills and
 /// decodes, in one call.
 ///

@@ -1,0 +1,129 @@
+//! The CUDA launch plan against the device: every launch's resident-program
+//! figure (what its split-KV waves and prefill tile are sized with) equals
+//! the driver's occupancy of the kernel it runs, at the threads and dynamic
+//! shared memory it launches with; and split-KV calls, whose last program
+//! of each group merges the partials in the attention launch itself, stay
+//! exact through a run of calls of different shapes that reuse the
+//! workspace and its arrival counters. GPU only: without the `cuda` feature
+//! this binary is empty.
+#![cfg(feature = "cuda")]
+
+#[macro_use]
+mod common;
+
+use anyhow::{ensure, Result};
+use candle_core::DType;
+use candle_paged_attention::{cuda_launch_residency, KvSplit};
+use common::case::Case;
+use common::check::check_case;
+
+/// A labelled batch, its sequences as (new tokens, keys) and the launches
+/// its plan makes.
+type Batch = (&'static str, &'static [(usize, usize)], usize);
+
+cuda_test! {
+    /// For decode, prefill and mixed batches of each head size, query dtype
+    /// and cache kind: the plan's programs per SM equal the driver's, and
+    /// never exceed what shared memory alone allows.
+    fn plan_residency_matches_the_driver(
+        dev: &Device,
+        #[values(32, 64, 128, 256, 512)] head_size: usize,
+        #[values(DType::BF16, DType::F16)] dtype: DType,
+        #[values(false, true)] fp8: bool,
+    ) -> Result<()> {
+        // (label, sequences as (new tokens, keys), parts expected).
+        let batches: [Batch; 4] = [
+            ("decode", &[(1, 1024); 4], 1),
+            ("long decode", &[(1, 3000)], 1),
+            ("prefill", &[(300, 300), (77, 500)], 1),
+            ("mixed", &[(1, 2000), (200, 700), (1, 65)], 2),
+        ];
+        for (label, seqs, parts) in batches {
+            let case = Case::new(seqs, (16, 4), head_size, 16, dtype).with_fp8_cache(fp8);
+            let inputs = case.build(dev)?;
+            let params = case.params(&inputs);
+            let launches = cuda_launch_residency(&inputs.q, &params)?;
+            ensure!(
+                launches.len() == parts,
+                "{label} h{head_size}: {} launches, {parts} expected: {launches:?}",
+                launches.len()
+            );
+            // One sequence x 4 KV heads: far from a wave, so the decode splits.
+            if label == "long decode" {
+                ensure!(launches[0].segments > 1, "{label} h{head_size}: {launches:?}");
+            }
+            for l in &launches {
+                ensure!(
+                    l.planned_resident == l.driver_resident
+                        && l.driver_resident >= 1
+                        && l.driver_resident <= l.smem_resident,
+                    "{label} h{head_size} {dtype:?} fp8={fp8}: plan and driver disagree: {l:?}"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+cuda_test! {
+    /// f32 queries run the scalar kernel: no tensor-core launch to report.
+    fn scalar_path_has_no_plan(dev: &Device) -> Result<()> {
+        let case = Case::new(&[(1, 100)], (4, 2), 64, 16, DType::F32);
+        let inputs = case.build(dev)?;
+        let launches = cuda_launch_residency(&inputs.q, &case.params(&inputs))?;
+        ensure!(launches.is_empty(), "{launches:?}");
+        Ok(())
+    }
+}
+
+cuda_test! {
+    /// Split-KV calls of different shapes, one after the other on one
+    /// device (so they share the workspace and its arrival counters, which
+    /// every launch must leave at zero), each checked against the reference:
+    /// mostly empty segments, sinks with an fp8 cache and fp8 output, a
+    /// mixed batch whose decode launch splits alone (Auto) or whose two
+    /// launches both split (the decode launch merging its own partials, the
+    /// prefill one through the reduce), split prefills, two value chunks
+    /// (head size 512), a sliding window; then the first call again.
+    fn merged_split_calls_in_a_row(dev: &Device) -> Result<()> {
+        let empty_segments = Case::new(&[(1, 40), (1, 3000), (1, 1)], (8, 2), 128, 16, DType::BF16)
+            .with_kv_split(KvSplit::Segments(64))
+            .with_seed(3);
+        let cases = [
+            empty_segments.clone(),
+            Case::new(&[(1, 900), (1, 64), (1, 2500)], (8, 8), 64, 16, DType::BF16)
+                .with_fp8_cache(true)
+                .with_sinks(true)
+                .with_output_scale(Some(0.5))
+                .with_kv_split(KvSplit::Segments(11))
+                .with_seed(5),
+            Case::new(&[(1, 5000), (40, 300), (2, 900)], (16, 4), 128, 16, DType::F16)
+                .with_sinks(true)
+                .with_kv_split(KvSplit::Auto)
+                .with_seed(7),
+            Case::new(&[(1, 700), (70, 400), (3, 1200)], (8, 2), 64, 16, DType::BF16)
+                .with_kv_split(KvSplit::Segments(5))
+                .with_seed(9),
+            Case::new(&[(100, 300), (37, 37), (1, 800)], (8, 2), 64, 16, DType::F16)
+                .with_sinks(true)
+                .with_kv_split(KvSplit::Segments(4))
+                .with_seed(10),
+            Case::new(&[(90, 90), (33, 1000)], (4, 4), 128, 16, DType::BF16)
+                .with_fp8_cache(true)
+                .with_kv_split(KvSplit::Segments(6))
+                .with_seed(12),
+            Case::new(&[(1, 600), (2, 333)], (4, 2), 512, 16, DType::BF16)
+                .with_kv_split(KvSplit::Segments(3))
+                .with_seed(11),
+            Case::new(&[(1, 4000), (1, 100)], (8, 1), 256, 16, DType::F16)
+                .with_window(Some(500))
+                .with_kv_split(KvSplit::Segments(8))
+                .with_seed(13),
+            empty_segments,
+        ];
+        for case in &cases {
+            check_case(case, dev)?;
+        }
+        Ok(())
+    }
+}
