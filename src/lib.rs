@@ -55,7 +55,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod metadata;
-#[cfg(feature = "models")]
+#[cfg(feature = "engine")]
 pub mod models;
 mod ops;
 mod params;

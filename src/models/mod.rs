@@ -21,16 +21,27 @@
 //! * [`chat`] - the checkpoint's chat template, rendered with `minijinja`.
 //! * [`generation`] - sampling and a continuous-batching [`generation::Engine`].
 
+// Feature `engine`: the model interface, the paged cache, rotary embeddings
+// and the engine. Feature `models` adds the models, their loaders,
+// tokenizers and chat templates.
+#[cfg(feature = "models")]
 pub mod chat;
+#[cfg(feature = "models")]
 pub mod gemma2;
+#[cfg(feature = "models")]
 pub mod gemma3;
 pub mod generation;
 mod kv_cache;
+#[cfg(feature = "models")]
 mod layers;
+#[cfg(feature = "models")]
 pub mod llama;
+#[cfg(feature = "models")]
 pub mod quantized_gemma3;
+#[cfg(feature = "models")]
 pub mod quantized_llama;
 mod rotary;
+#[cfg(feature = "models")]
 pub mod tokenizer;
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -110,6 +121,7 @@ pub trait PagedModel {
 }
 
 /// Picks the hidden states of `rows` out of `(num_tokens, hidden)` `xs`.
+#[cfg(feature = "models")]
 fn select_rows(component: &str, xs: &Tensor, rows: &[usize]) -> Result<Tensor> {
     let n = xs.dim(0)?;
     if rows.is_empty() {
@@ -126,6 +138,7 @@ fn select_rows(component: &str, xs: &Tensor, rows: &[usize]) -> Result<Tensor> {
 /// Checks that `input_ids` is `(num_tokens,)` u32 for the metadata's batch
 /// and, on the CPU, that every id is `< vocab_size` (an embedding lookup
 /// must never see an id outside its table).
+#[cfg(feature = "models")]
 fn check_input(
     component: &str,
     input_ids: &Tensor,
@@ -156,6 +169,7 @@ fn check_input(
 }
 
 /// Checks that the cache has one layer per decoder layer.
+#[cfg(feature = "models")]
 fn check_cache(component: &str, cache: &PagedKvCache, num_layers: usize) -> Result<()> {
     if cache.num_layers() != num_layers {
         candle_core::bail!(
