@@ -309,10 +309,7 @@ fn fp8_cache_top_k_and_repeat_penalty_run() -> Result<()> {
 
 #[test]
 fn q4_gguf_weights_are_dequantized_on_the_cpu_unless_kept() -> Result<()> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fetch-smollm2.sh");
-    let out = std::process::Command::new("bash").arg(script).output()?;
-    ensure!(out.status.success(), "{script} failed");
-    let path = String::from_utf8(out.stdout)?.trim().to_string();
+    let path = candle_paged_attention::models::fetch::fetch_model("fetch-smollm2.sh")?;
     let ct = candle_core::quantized::gguf_file::Content::read(&mut std::fs::File::open(&path)?)?;
     let args = |flags: &[&str]| {
         generate::Args::try_parse_from(std::iter::once("generate").chain(flags.iter().copied()))
@@ -333,6 +330,36 @@ fn q4_gguf_weights_are_dequantized_on_the_cpu_unless_kept() -> Result<()> {
         .unwrap_or_default();
     ensure!(
         err.contains("'--dequantize' cannot be used with '--keep-quantized'"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn model_id_needs_the_hub_feature_and_its_flags_need_it() -> Result<()> {
+    #[cfg(not(feature = "hub"))]
+    {
+        let err = error_of(&["--model-id", "org/model", "--revision", "v1"])?;
+        ensure!(
+            err == "--model-id org/model: downloading from the Hugging Face hub needs the `hub` feature (cargo run --release --features models,hub --example generate -- --model-id org/model); without it, give a model path or run scripts/fetch-smollm2.sh",
+            "{err}"
+        );
+    }
+    let parse = |flags: &[&str]| {
+        generate::Args::try_parse_from(std::iter::once("generate").chain(flags.iter().copied()))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let err = parse(&["--revision", "v1"]);
+    ensure!(
+        err.contains("the following required arguments were not provided")
+            && err.contains("--model-id <MODEL_ID>"),
+        "{err}"
+    );
+    let err = parse(&["model.gguf", "--model-id", "org/model"]);
+    ensure!(
+        err.contains("the argument '[MODEL]' cannot be used with '--model-id <MODEL_ID>'"),
         "{err}"
     );
     Ok(())

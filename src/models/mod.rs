@@ -20,6 +20,11 @@
 //!   SentencePiece vocabularies, `tokenizer.json`; special tokens.
 //! * [`chat`] - the checkpoint's chat template, rendered with `minijinja`.
 //! * [`generation`] - sampling and a continuous-batching [`generation::Engine`].
+//! * [`hub`] - which files of a checkpoint to load (a GGUF file, or a
+//!   safetensors directory and its shards), from a local folder, the Hugging
+//!   Face hub cache or, with the `hub` feature, a download.
+//! * [`fetch`] - the offline fetch scripts (`scripts/fetch-*.sh`): finding
+//!   and running them.
 
 // Feature `engine`: the model interface, the paged cache, rotary embeddings
 // and the engine. Feature `models` adds the models, their loaders,
@@ -27,10 +32,14 @@
 #[cfg(feature = "models")]
 pub mod chat;
 #[cfg(feature = "models")]
+pub mod fetch;
+#[cfg(feature = "models")]
 pub mod gemma2;
 #[cfg(feature = "models")]
 pub mod gemma3;
 pub mod generation;
+#[cfg(feature = "models")]
+pub mod hub;
 mod kv_cache;
 #[cfg(feature = "models")]
 mod layers;
