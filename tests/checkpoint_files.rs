@@ -97,7 +97,8 @@ fn the_download_plan_follows_the_repository_listing() -> Result<()> {
         "{err}"
     );
 
-    // Sharded safetensors: config and tokenizer files, then the index
+    // Sharded safetensors: config and tokenizer files (in the loader's
+    // order), then the index
     // (whose shards are read once it is downloaded); a GGUF beside them
     // is ignored, and so is a consolidated file the index does not name.
     let sharded = names(&[
@@ -105,6 +106,7 @@ fn the_download_plan_follows_the_repository_listing() -> Result<()> {
         "generation_config.json",
         "tokenizer.json",
         "tokenizer_config.json",
+        "chat_template.jinja",
         "model.safetensors.index.json",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
@@ -115,7 +117,13 @@ fn the_download_plan_follows_the_repository_listing() -> Result<()> {
     let plan = files_to_download(&sharded, None)?;
     ensure!(
         plan == RepoPlan::Safetensors {
-            files: names(&["config.json", "tokenizer.json", "tokenizer_config.json"]),
+            files: names(&[
+                "config.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "generation_config.json",
+                "chat_template.jinja",
+            ]),
             index: Some("model.safetensors.index.json".into()),
         },
         "{plan:?}"

@@ -42,6 +42,17 @@ pub struct SafetensorsFiles {
     pub weights: Vec<PathBuf>,
 }
 
+/// The files besides `tokenizer.json` that a safetensors checkpoint's
+/// tokenizer is loaded with, when the repository has them: special tokens
+/// and the chat template (`tokenizer_config.json`), stop tokens
+/// (`generation_config.json`) and a chat template of its own.
+pub const TOKENIZER_FILES: [&str; 4] = [
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+];
+
 /// What to download from a repository, from its file listing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RepoPlan {
@@ -62,8 +73,8 @@ pub enum RepoPlan {
 ///
 /// * `gguf_file` given: that file, which must be listed.
 /// * A `config.json` and safetensors weights: a safetensors checkpoint
-///   (`tokenizer.json` required, `tokenizer_config.json` when listed; the
-///   index when listed, else `model.safetensors`, else every top-level
+///   (`tokenizer.json` required, the [`TOKENIZER_FILES`] that are listed;
+///   the index when listed, else `model.safetensors`, else every top-level
 ///   `*.safetensors`).
 /// * Otherwise the repository's one top-level `.gguf` file; several are an
 ///   error that lists them.
@@ -89,8 +100,12 @@ pub fn files_to_download(listing: &[String], gguf_file: Option<&str>) -> Result<
             );
         }
         let mut files = vec!["config.json".to_string(), "tokenizer.json".to_string()];
-        if has("tokenizer_config.json") {
-            files.push("tokenizer_config.json".to_string());
+        // What the tokenizer loader reads besides tokenizer.json: special
+        // tokens, stop tokens and the chat template.
+        for optional in TOKENIZER_FILES {
+            if has(optional) {
+                files.push(optional.to_string());
+            }
         }
         if has(SAFETENSORS_INDEX) {
             return Ok(RepoPlan::Safetensors {
