@@ -8,7 +8,12 @@
 //!
 //! Without a model path, SmolLM2-135M-Instruct is fetched by
 //! `scripts/fetch-smollm2.sh`; `gemma3-270m` in its place fetches Gemma 3
-//! 270M through `scripts/fetch-gemma3.sh`. One prompt streams its tokens;
+//! 270M through `scripts/fetch-gemma3.sh` (the scripts are found beside the
+//! executable, in `$CANDLE_PAGED_ATTENTION_SCRIPTS`, or in the crate's
+//! source). With the `hub` feature, `--model-id ORG/NAME [--revision REV]`
+//! downloads a GGUF file or a safetensors checkpoint from the Hugging Face
+//! hub instead (`--model-file` picks among several GGUF files; with
+//! `HF_HUB_OFFLINE=1`, from the hub cache only). One prompt streams its tokens;
 //! several run through the continuous-batching engine (on a terminal, a
 //! progress bar shows the prompts done and the tokens/s) and print each
 //! output and the
@@ -36,7 +41,6 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -44,9 +48,11 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use candle_paged_attention::models::chat::{self, ChatMessage, ChatTemplate};
+use candle_paged_attention::models::fetch::fetch_model;
 use candle_paged_attention::models::generation::{
     Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
+use candle_paged_attention::models::hub::{self, CheckpointFiles, SafetensorsFiles};
 use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
 use candle_paged_attention::models::tokenizer::{self, ModelTokenizer, TextStream};
 use candle_paged_attention::models::{
@@ -66,6 +72,17 @@ pub struct Args {
     /// scripts/fetch-gemma3.sh). Default: SmolLM2-135M-Instruct, fetched by
     /// scripts/fetch-smollm2.sh.
     model: Option<PathBuf>,
+    /// A Hugging Face hub model (ORG/NAME) to download in place of a model
+    /// path: its GGUF file, or its safetensors checkpoint (config.json,
+    /// tokenizer files and weights). Needs the `hub` feature.
+    #[arg(long, conflicts_with = "model")]
+    model_id: Option<String>,
+    /// The revision of --model-id: a branch, tag or commit.
+    #[arg(long, default_value = "main", requires = "model_id")]
+    revision: String,
+    /// The GGUF file of --model-id to load, when it has several.
+    #[arg(long, requires = "model_id")]
+    model_file: Option<String>,
     /// A prompt; repeat for several (they run as one continuous batch).
     #[arg(long)]
     prompt: Vec<String>,
@@ -178,20 +195,31 @@ struct Loaded {
     name: String,
 }
 
-/// Runs `scripts/{script}` and returns the model path it prints.
-fn fetch(script: &str) -> Result<PathBuf> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("scripts")
-        .join(script);
-    let out = Command::new("bash")
-        .arg(&script)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !out.status.success() {
-        bail!("{} failed", script.display());
-    }
-    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+/// Downloads `--model-id` (files in the hub cache are reused) and returns
+/// the GGUF file or safetensors directory to load.
+#[cfg(feature = "hub")]
+fn hub_model(args: &Args, id: &str) -> Result<PathBuf> {
+    let files = hub::download(id, &args.revision, args.model_file.as_deref())
+        .with_context(|| format!("--model-id {id} --revision {}", args.revision))?;
+    Ok(match files {
+        CheckpointFiles::Gguf(p) => p,
+        CheckpointFiles::Safetensors(s) => s.dir,
+    })
+}
+
+/// `--model-id` without the `hub` feature: an error (check_flags reports it
+/// before anything is loaded).
+#[cfg(not(feature = "hub"))]
+fn hub_model(_args: &Args, id: &str) -> Result<PathBuf> {
+    bail!("{}", no_hub_error(id))
+}
+
+/// The error of `--model-id` in a build without the `hub` feature.
+#[cfg(not(feature = "hub"))]
+fn no_hub_error(id: &str) -> String {
+    format!(
+        "--model-id {id}: downloading from the Hugging Face hub needs the `hub` feature (cargo run --release --features models,hub --example generate -- --model-id {id}); without it, give a model path or run scripts/fetch-smollm2.sh"
+    )
 }
 
 /// The chat template of `--chat-template` or the checkpoint, if any, with
@@ -312,26 +340,20 @@ pub fn dequantize_gguf(
     }
 }
 
-fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        bail!("no *.safetensors in {}", dir.display());
-    }
-    Ok(files)
-}
-
-fn load_dir(dir: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
-    let config = std::fs::read_to_string(dir.join("config.json"))
-        .with_context(|| format!("reading {}/config.json", dir.display()))?;
+fn load_dir(
+    files: &SafetensorsFiles,
+    args: &Args,
+    dev: &Device,
+    opts: PagedOptions,
+) -> Result<Loaded> {
+    let dir = files.dir.as_path();
+    let config = std::fs::read_to_string(&files.config)
+        .with_context(|| format!("reading {}", files.config.display()))?;
     let json: serde_json::Value = serde_json::from_str(&config)?;
     let model_type = json["model_type"].as_str().unwrap_or("llama").to_string();
     let dtype = activation_dtype(&args.dtype, dev)?;
     // SAFETY: the files are not modified while the model is loaded.
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&safetensors_files(dir)?, dtype, dev)? };
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, dev)? };
     let model: Box<dyn PagedModel> = match model_type.as_str() {
         "llama" | "mistral" => {
             let cfg: llama::LlamaConfig = serde_json::from_str(&config)?;
@@ -487,6 +509,10 @@ fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
             args.seed
         );
     }
+    #[cfg(not(feature = "hub"))]
+    if let Some(id) = &args.model_id {
+        bail!("{}", no_hub_error(id));
+    }
     if args.window_blocks.is_some() && args.prefix_caching {
         bail!("--prefix-caching cannot be combined with --window-blocks");
     }
@@ -577,20 +603,22 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         "cuda" => Device::new_cuda(0).context("--device cuda")?,
         d => bail!("--device must be cpu or cuda, got {d}"),
     };
-    let path = match &args.model {
-        Some(p) if p.as_os_str() == "gemma3-270m" && !p.exists() => fetch("fetch-gemma3.sh")?,
-        Some(p) => p.clone(),
-        None => fetch("fetch-smollm2.sh")?,
+    let path = match (&args.model, &args.model_id) {
+        (_, Some(id)) => hub_model(&args, id)?,
+        (Some(p), None) if p.as_os_str() == "gemma3-270m" && !p.exists() => {
+            fetch_model("fetch-gemma3.sh")?
+        }
+        (Some(p), None) => p.clone(),
+        (None, None) => fetch_model("fetch-smollm2.sh")?,
     };
     let opts = PagedOptions {
         block_size: args.block_size,
         kv_cache_dtype: kv_cache_dtype(&args.kv_cache_dtype)?,
     };
     let start = Instant::now();
-    let mut loaded = if path.is_dir() {
-        load_dir(&path, &args, &dev, opts)?
-    } else {
-        load_gguf(&path, &args, &dev, opts)?
+    let mut loaded = match hub::checkpoint_files(&path)? {
+        CheckpointFiles::Safetensors(files) => load_dir(&files, &args, &dev, opts)?,
+        CheckpointFiles::Gguf(file) => load_gguf(&file, &args, &dev, opts)?,
     };
     if loaded.template.is_none() {
         if args.system.is_some() {

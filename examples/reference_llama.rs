@@ -35,10 +35,9 @@ fn model_path(arg: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
     if let Some(p) = arg {
         return Ok(p);
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fetch-smollm2.sh");
-    let out = std::process::Command::new("bash").arg(script).output()?;
-    anyhow::ensure!(out.status.success(), "{script} failed");
-    Ok(String::from_utf8(out.stdout)?.trim().into())
+    Ok(candle_paged_attention::models::fetch::fetch_model(
+        "fetch-smollm2.sh",
+    )?)
 }
 
 fn main() -> Result<()> {

@@ -83,8 +83,7 @@ mod stats;
 mod workload;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
@@ -254,16 +253,9 @@ struct Loaded {
 }
 
 fn fetch_smollm2() -> Result<PathBuf> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-smollm2.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !out.status.success() {
-        bail!("{} failed", script.display());
-    }
-    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+    Ok(candle_paged_attention::models::fetch::fetch_model(
+        "fetch-smollm2.sh",
+    )?)
 }
 
 /// Ids of the GGUF vocabulary's ordinary tokens (token type 1; control,

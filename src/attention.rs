@@ -80,6 +80,51 @@ impl Default for AttentionOptions {
 /// [`forward`](Self::forward) takes the flat projections of a whole mixed
 /// batch (prefills, prefill chunks and decodes together), stores the new keys
 /// and values, and runs one paged-attention call.
+///
+/// # Example
+/// The layer of your own model: 2 query heads share 1 KV head of size 4,
+/// blocks of 4 tokens. A prompt of 3 tokens is prefilled into block 2, then
+/// its 4th token is decoded; the first token sees only itself, so its
+/// output is its value (for both query heads).
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_paged_attention::{
+///     Attention, AttentionMetadata, AttentionOptions, PagedBatch, SlotMapping,
+/// };
+///
+/// # fn main() -> candle_core::Result<()> {
+/// let dev = Device::Cpu;
+/// let (heads, kv_heads, head_size, block_size) = (2, 1, 4, 4);
+/// let options = AttentionOptions { block_size, ..Default::default() };
+/// let layer = Attention::new(heads, kv_heads, head_size, 0.5, options)?;
+/// let cache = layer.new_cache(4, DType::F32, &dev)?; // 4 blocks of 4 tokens
+///
+/// // Prefill: rows 0..3 of one sequence of 3 tokens, in block 2 (slots 8..11).
+/// let batch = PagedBatch::from_rows(&[0, 3], &[3], &[vec![2]], block_size, &dev)?;
+/// let meta = AttentionMetadata::new(batch, SlotMapping::new(&[8, 9, 10], &dev)?)?;
+/// let q = Tensor::randn(0f32, 1., (3, heads * head_size), &dev)?;
+/// let k = Tensor::randn(0f32, 1., (3, kv_heads * head_size), &dev)?;
+/// let v = Tensor::randn(0f32, 1., (3, kv_heads * head_size), &dev)?;
+/// let out = layer.forward(&q, &k, &v, &cache, &meta)?;
+/// assert_eq!(out.dims(), &[3, heads * head_size]);
+/// let v0 = v.get(0)?.to_vec1::<f32>()?;
+/// let out0 = out.get(0)?.to_vec1::<f32>()?;
+/// for (o, x) in out0.iter().zip(v0.iter().chain(v0.iter())) {
+///     assert!((o - x).abs() < 1e-6);
+/// }
+/// // The keys are in the cache: block 2, rows 0..3.
+/// let stored = cache.key().get(2)?.narrow(0, 0, 3)?.flatten_all()?;
+/// assert_eq!(stored.to_vec1::<f32>()?, k.flatten_all()?.to_vec1::<f32>()?);
+///
+/// // Decode the 4th token (position 3, slot 11) over the 3 cached ones.
+/// let batch = PagedBatch::from_rows(&[0, 1], &[4], &[vec![2]], block_size, &dev)?;
+/// let meta = AttentionMetadata::new(batch, SlotMapping::new(&[11], &dev)?)?;
+/// let q = Tensor::randn(0f32, 1., (1, heads * head_size), &dev)?;
+/// let kv = Tensor::randn(0f32, 1., (1, kv_heads * head_size), &dev)?;
+/// assert_eq!(layer.forward(&q, &kv, &kv, &cache, &meta)?.dims(), &[1, 8]);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Attention {
     num_heads: usize,

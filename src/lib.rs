@@ -12,6 +12,17 @@
 //! feature adds compiled CUDA kernels for the same ops. [`reference`] holds a
 //! naive f64 implementation that both are tested against.
 //!
+//! # Features
+//! * none: the ops, the [`Attention`] layer, the block manager and the
+//!   reference implementation.
+//! * `engine`: [`models::PagedModel`] (the interface of a paged model),
+//!   [`models::PagedKvCache`], rotary embeddings and the continuous-batching
+//!   [`models::generation::Engine`], for models of your own.
+//! * `models`: `engine` plus paged Llama / Gemma 2 / Gemma 3 (safetensors
+//!   and GGUF), tokenizers from the checkpoint and chat templates.
+//! * `hub`: `models` plus downloads from the Hugging Face hub.
+//! * `cuda`: the CUDA kernels (needs the CUDA toolkit to build).
+//!
 //! # Example
 //! Two sequences: a prefill of 3 tokens and a decode of 1 token after 4 cached
 //! ones, with 2 query heads sharing 1 KV head of size 8 and blocks of 4 tokens.
@@ -55,7 +66,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod metadata;
-#[cfg(feature = "models")]
+#[cfg(feature = "engine")]
 pub mod models;
 mod ops;
 mod params;

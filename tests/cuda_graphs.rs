@@ -20,7 +20,6 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::quantized::gguf_file;
@@ -281,17 +280,9 @@ fn smollm2_path() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("CPA_SMOLLM2_GGUF") {
         return Ok(PathBuf::from(p));
     }
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new("bash")
-        .arg(format!("{root}/scripts/fetch-smollm2.sh"))
-        .output()
-        .context("running scripts/fetch-smollm2.sh")?;
-    ensure!(
-        out.status.success(),
-        "scripts/fetch-smollm2.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+    Ok(candle_paged_attention::models::fetch::fetch_model(
+        "fetch-smollm2.sh",
+    )?)
 }
 
 cuda_test! {

@@ -348,16 +348,7 @@ fn abort_cancels_waiting_and_running_requests() -> Result<()> {
 /// out-of-vocabulary id before embedding it.
 #[test]
 fn gguf_context_length_sizes_the_model() -> Result<()> {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = std::process::Command::new("bash")
-        .arg(format!("{root}/scripts/fetch-smollm2.sh"))
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let path = String::from_utf8(out.stdout)?.trim().to_string();
+    let path = candle_paged_attention::models::fetch::fetch_model("fetch-smollm2.sh")?;
     let mut file = std::fs::File::open(&path)?;
     let ct = gguf_file::Content::read(&mut file)?;
     let dev = Device::Cpu;

@@ -16,7 +16,6 @@
 mod gemma3_reference;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Mutex;
 
 use anyhow::{ensure, Context, Result};
@@ -40,17 +39,9 @@ const NEW_TOKENS: usize = 16;
 const CHUNK: usize = 160;
 
 fn gemma3_path() -> Result<PathBuf> {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new("bash")
-        .arg(format!("{root}/scripts/fetch-gemma3.sh"))
-        .output()
-        .context("running scripts/fetch-gemma3.sh")?;
-    ensure!(
-        out.status.success(),
-        "scripts/fetch-gemma3.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+    Ok(candle_paged_attention::models::fetch::fetch_model(
+        "fetch-gemma3.sh",
+    )?)
 }
 
 /// The vocabulary's pieces (`tokenizer.ggml.tokens`).

@@ -11,7 +11,6 @@
 //!   chunked prefills, get the tokens they get alone.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
@@ -690,18 +689,9 @@ fn engine_rejects_what_cannot_run() -> Result<()> {
 // ---------------------------------------------------------------- SmolLM2
 
 fn smollm2_path() -> Result<PathBuf> {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new("bash")
-        .arg(format!("{root}/scripts/fetch-smollm2.sh"))
-        .output()
-        .context("running scripts/fetch-smollm2.sh")?;
-    ensure!(
-        out.status.success(),
-        "scripts/fetch-smollm2.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let path = String::from_utf8(out.stdout)?.trim().to_string();
-    Ok(PathBuf::from(path))
+    Ok(candle_paged_attention::models::fetch::fetch_model(
+        "fetch-smollm2.sh",
+    )?)
 }
 
 const PROMPTS: [&str; 4] = [

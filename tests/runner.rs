@@ -309,10 +309,7 @@ fn fp8_cache_top_k_and_repeat_penalty_run() -> Result<()> {
 
 #[test]
 fn q4_gguf_weights_are_dequantized_on_the_cpu_unless_kept() -> Result<()> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/fetch-smollm2.sh");
-    let out = std::process::Command::new("bash").arg(script).output()?;
-    ensure!(out.status.success(), "{script} failed");
-    let path = String::from_utf8(out.stdout)?.trim().to_string();
+    let path = candle_paged_attention::models::fetch::fetch_model("fetch-smollm2.sh")?;
     let ct = candle_core::quantized::gguf_file::Content::read(&mut std::fs::File::open(&path)?)?;
     let args = |flags: &[&str]| {
         generate::Args::try_parse_from(std::iter::once("generate").chain(flags.iter().copied()))
@@ -334,6 +331,116 @@ fn q4_gguf_weights_are_dequantized_on_the_cpu_unless_kept() -> Result<()> {
     ensure!(
         err.contains("'--dequantize' cannot be used with '--keep-quantized'"),
         "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn model_id_needs_the_hub_feature_and_its_flags_need_it() -> Result<()> {
+    #[cfg(not(feature = "hub"))]
+    {
+        let err = error_of(&["--model-id", "org/model", "--revision", "v1"])?;
+        ensure!(
+            err == "--model-id org/model: downloading from the Hugging Face hub needs the `hub` feature (cargo run --release --features models,hub --example generate -- --model-id org/model); without it, give a model path or run scripts/fetch-smollm2.sh",
+            "{err}"
+        );
+    }
+    let parse = |flags: &[&str]| {
+        generate::Args::try_parse_from(std::iter::once("generate").chain(flags.iter().copied()))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let err = parse(&["--revision", "v1"]);
+    ensure!(
+        err.contains("the following required arguments were not provided")
+            && err.contains("--model-id <MODEL_ID>"),
+        "{err}"
+    );
+    let err = parse(&["model.gguf", "--model-id", "org/model"]);
+    ensure!(
+        err.contains("the argument '[MODEL]' cannot be used with '--model-id <MODEL_ID>'"),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// A sharded safetensors directory (two shards and their index, as a hub
+/// snapshot holds them) loads through the index: a stray
+/// `consolidated.safetensors` that is not a safetensors file is not read.
+/// The model is a tiny random Llama with SmolLM2's vocabulary and
+/// tokenizer.json.
+#[test]
+fn a_sharded_safetensors_directory_loads_through_its_index() -> Result<()> {
+    use candle_core::{DType, Device};
+    use candle_nn::{VarBuilder, VarMap};
+    use candle_paged_attention::models::tokenizer::ModelTokenizer;
+    use candle_paged_attention::models::{llama, PagedOptions};
+
+    let gguf = candle_paged_attention::models::fetch::fetch_model("fetch-smollm2.sh")?;
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut std::fs::File::open(&gguf)?)?;
+    let tok = ModelTokenizer::from_gguf(&ct)?;
+    let dir = std::env::temp_dir().join(format!("cpa-runner-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    tok.tokenizer
+        .save(dir.join("tokenizer.json"), false)
+        .map_err(anyhow::Error::msg)?;
+    let config = r#"{"model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
+        "vocab_size": 49152, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "tie_word_embeddings": true}"#;
+    std::fs::write(dir.join("config.json"), config)?;
+    let cfg = serde_json::from_str::<llama::LlamaConfig>(config)?.into_config(false);
+    let varmap = VarMap::new();
+    let dev = Device::Cpu;
+    llama::Llama::load(
+        VarBuilder::from_varmap(&varmap, DType::F32, &dev),
+        &cfg,
+        PagedOptions::default(),
+    )?;
+    let (mut shards, mut weight_map) = ([Vec::new(), Vec::new()], serde_json::Map::new());
+    {
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|e| anyhow::anyhow!("varmap lock: {e}"))?;
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        for (i, name) in names.into_iter().enumerate() {
+            let file = format!("model-0000{}-of-00002.safetensors", i % 2 + 1);
+            weight_map.insert(name.clone(), file.into());
+            shards[i % 2].push((name.clone(), data[name].as_tensor().clone()));
+        }
+    }
+    for (i, shard) in shards.iter().enumerate() {
+        candle_core::safetensors::save(
+            &shard.iter().cloned().collect(),
+            dir.join(format!("model-0000{}-of-00002.safetensors", i + 1)),
+        )?;
+    }
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+    )?;
+    std::fs::write(dir.join("consolidated.safetensors"), "not safetensors")?;
+
+    let n = tok.encode_raw("Hi")?.len();
+    let shown = dir.display().to_string();
+    let result = run(&[
+        &shown,
+        "--raw",
+        "--verbose",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "3",
+    ]);
+    std::fs::remove_dir_all(&dir)?;
+    let (out, err) = result?;
+    ensure!(err.is_none(), "{err:?}");
+    ensure!(
+        out.starts_with(&format!("[prompt 0: {n} tokens]\nHi\n> Hi\n")),
+        "{out:?}"
     );
     Ok(())
 }

@@ -19,7 +19,6 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::quantized::gguf_file::{self, Content, Value as GgufValue, VersionedMagic};
@@ -66,17 +65,9 @@ fn reference_ids(fx: &Value, kind: &str) -> Vec<Vec<u32>> {
 }
 
 fn smollm2_path() -> Result<PathBuf> {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let out = Command::new("bash")
-        .arg(format!("{root}/scripts/fetch-smollm2.sh"))
-        .output()
-        .context("running scripts/fetch-smollm2.sh")?;
-    ensure!(
-        out.status.success(),
-        "scripts/fetch-smollm2.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+    Ok(candle_paged_attention::models::fetch::fetch_model(
+        "fetch-smollm2.sh",
+    )?)
 }
 
 /// Gemma 3 270M's GGUF, or `None` (with a message) when it is not there.

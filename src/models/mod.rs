@@ -20,17 +20,100 @@
 //!   SentencePiece vocabularies, `tokenizer.json`; special tokens.
 //! * [`chat`] - the checkpoint's chat template, rendered with `minijinja`.
 //! * [`generation`] - sampling and a continuous-batching [`generation::Engine`].
+//! * [`hub`] - which files of a checkpoint to load (a GGUF file, or a
+//!   safetensors directory and its shards), from a local folder, the Hugging
+//!   Face hub cache or, with the `hub` feature, a download.
+//! * [`fetch`] - the offline fetch scripts (`scripts/fetch-*.sh`): finding
+//!   and running them.
+//!
+//! Feature `engine` holds [`PagedModel`], [`PagedKvCache`], the rotary
+//! embeddings and [`generation`] (the engine), for models of your own;
+//! feature `models` adds the models, their loaders, tokenizers and chat
+//! templates.
+//!
+//! # Example: the engine
+//! A tiny Llama with random weights (feature `models`; any [`PagedModel`]
+//! works) completes three greedy requests in one continuous batch: the
+//! two with the same prompt get the same tokens, the same as that prompt
+//! alone in another engine, and every cache block is free at the end.
+//! ```
+//! # #[cfg(feature = "models")]
+//! # fn main() -> candle_core::Result<()> {
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use candle_paged_attention::models::generation::{
+//!     Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
+//! };
+//! use candle_paged_attention::models::{llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions};
+//!
+//! let dev = Device::Cpu;
+//! let cfg: llama::LlamaConfig = serde_json::from_str(
+//!     r#"{"hidden_size": 32, "intermediate_size": 48, "vocab_size": 64,
+//!         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+//!         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128}"#,
+//! ).map_err(candle_core::Error::wrap)?;
+//! let varmap = VarMap::new(); // random weights
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+//! let model = llama::Llama::load(vb, &cfg.into_config(false), PagedOptions::default())?;
+//! let engine = || {
+//!     let cache =
+//!         PagedKvCache::new(&model.attention_layers(), CacheConfig::new(16), DType::F32, &dev)?;
+//!     Engine::new(&model, cache, SchedulerConfig::default())
+//! };
+//! let request = |id, prompt: &[u32]| Request {
+//!     id,
+//!     prompt: prompt.to_vec(),
+//!     params: SamplingParams::greedy(6), // 6 new tokens, no stop token
+//! };
+//!
+//! let mut batch = engine()?;
+//! batch.add_request(request(0, &[1, 2, 3, 4, 5]))?;
+//! batch.add_request(request(1, &[9, 8, 7]))?;
+//! batch.add_request(request(2, &[1, 2, 3, 4, 5]))?;
+//! let mut done = batch.run(|_token| {})?; // or `step()` until `!has_work()`
+//! done.sort_by_key(|c| c.id);
+//! assert_eq!(done.len(), 3);
+//! assert!(done.iter().all(|c| c.tokens.len() == 6 && c.finish == FinishReason::Length));
+//! assert_eq!(done[0].tokens, done[2].tokens);
+//! assert_eq!(batch.block_manager().num_used_blocks(), 0);
+//!
+//! let mut alone = engine()?;
+//! alone.add_request(request(7, &[1, 2, 3, 4, 5]))?;
+//! while alone.has_work() {
+//!     alone.step()?;
+//! }
+//! assert_eq!(alone.take_completions()[0].tokens, done[0].tokens);
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "models"))]
+//! # fn main() {}
+//! ```
 
+// Feature `engine`: the model interface, the paged cache, rotary embeddings
+// and the engine. Feature `models` adds the models, their loaders,
+// tokenizers and chat templates.
+#[cfg(feature = "models")]
 pub mod chat;
+#[cfg(feature = "models")]
+pub mod fetch;
+#[cfg(feature = "models")]
 pub mod gemma2;
+#[cfg(feature = "models")]
 pub mod gemma3;
 pub mod generation;
+#[cfg(feature = "models")]
+pub mod hub;
 mod kv_cache;
+#[cfg(feature = "models")]
 mod layers;
+#[cfg(feature = "models")]
 pub mod llama;
+#[cfg(feature = "models")]
 pub mod quantized_gemma3;
+#[cfg(feature = "models")]
 pub mod quantized_llama;
 mod rotary;
+#[cfg(feature = "models")]
 pub mod tokenizer;
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -66,6 +149,53 @@ impl Default for PagedOptions {
 }
 
 /// A decoder-only language model running over a paged KV cache.
+///
+/// # Example
+/// A tiny Llama with random weights (feature `models`) runs a prompt of 5
+/// tokens whole, and again as two chunks (3 tokens, then 2 over the 3
+/// cached): the last token's logits agree.
+/// ```
+/// # #[cfg(feature = "models")]
+/// # fn main() -> candle_core::Result<()> {
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use candle_paged_attention::models::{llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions};
+/// use candle_paged_attention::{AttentionMetadata, PagedBatch, SlotMapping};
+///
+/// let dev = Device::Cpu;
+/// let cfg: llama::LlamaConfig = serde_json::from_str(
+///     r#"{"hidden_size": 32, "intermediate_size": 48, "vocab_size": 64,
+///         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+///         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128}"#,
+/// ).map_err(candle_core::Error::wrap)?;
+/// let varmap = VarMap::new(); // random weights
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+/// let model = llama::Llama::load(vb, &cfg.into_config(false), PagedOptions::default())?;
+/// let new_cache = || {
+///     PagedKvCache::new(&model.attention_layers(), CacheConfig::new(4), DType::F32, &dev)
+/// };
+/// let ids = [1u32, 7, 3, 9, 4];
+/// // Rows `cu[i]..cu[i + 1]` of the batch belong to sequence i, whose
+/// // context is `seq_len` tokens in blocks `table` (16 tokens each).
+/// let run = |cache: &PagedKvCache, first: u32, n: u32| {
+///     let batch = PagedBatch::from_rows(&[0, n], &[first + n], &[vec![0]], 16, &dev)?;
+///     let slots: Vec<i64> = (first..first + n).map(i64::from).collect();
+///     let meta = AttentionMetadata::new(batch, SlotMapping::new(&slots, &dev)?)?;
+///     let input = Tensor::new(&ids[first as usize..(first + n) as usize], &dev)?;
+///     model.forward(&input, &meta, cache, &[n as usize - 1]) // the last row's logits
+/// };
+/// let whole = run(&new_cache()?, 0, 5)?;
+/// assert_eq!(whole.dims(), &[1, 64]);
+/// let cache = new_cache()?;
+/// run(&cache, 0, 3)?;
+/// let chunked = run(&cache, 3, 2)?;
+/// let diff = (whole - chunked)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(diff < 1e-4, "{diff}");
+/// # Ok(())
+/// # }
+/// # #[cfg(not(feature = "models"))]
+/// # fn main() {}
+/// ```
 pub trait PagedModel {
     /// The attention layer of each decoder layer, in order (their windows
     /// and shapes size the caches).
@@ -110,6 +240,7 @@ pub trait PagedModel {
 }
 
 /// Picks the hidden states of `rows` out of `(num_tokens, hidden)` `xs`.
+#[cfg(feature = "models")]
 fn select_rows(component: &str, xs: &Tensor, rows: &[usize]) -> Result<Tensor> {
     let n = xs.dim(0)?;
     if rows.is_empty() {
@@ -126,6 +257,7 @@ fn select_rows(component: &str, xs: &Tensor, rows: &[usize]) -> Result<Tensor> {
 /// Checks that `input_ids` is `(num_tokens,)` u32 for the metadata's batch
 /// and, on the CPU, that every id is `< vocab_size` (an embedding lookup
 /// must never see an id outside its table).
+#[cfg(feature = "models")]
 fn check_input(
     component: &str,
     input_ids: &Tensor,
@@ -156,6 +288,7 @@ fn check_input(
 }
 
 /// Checks that the cache has one layer per decoder layer.
+#[cfg(feature = "models")]
 fn check_cache(component: &str, cache: &PagedKvCache, num_layers: usize) -> Result<()> {
     if cache.num_layers() != num_layers {
         candle_core::bail!(
