@@ -25,6 +25,7 @@ pub mod chat;
 pub mod gemma2;
 pub mod gemma3;
 pub mod generation;
+mod gguf;
 mod kv_cache;
 mod layers;
 pub mod llama;
