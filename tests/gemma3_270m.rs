@@ -651,7 +651,11 @@ fn gemma3_270m_bf16_follows_f32() -> Result<()> {
         }
         let agree = forced.iter().zip(&want[i]).filter(|(a, b)| a == b).count();
         let first = forced.iter().zip(&want[i]).position(|(a, b)| a != b);
-        let same = tokens[i].iter().zip(&want[i]).take_while(|(a, b)| a == b).count();
+        let same = tokens[i]
+            .iter()
+            .zip(&want[i])
+            .take_while(|(a, b)| a == b)
+            .count();
         match first {
             None => assert_eq!(tokens[i], want[i], "prompt {i}"),
             Some(s) => {
