@@ -812,7 +812,7 @@ fn main() -> Result<()> {
     println!(
         "Greedy outputs may part at near-ties of the logits (batching changes summation order; quantized matmuls round activations to 8 bits); both sides generate the same number of tokens either way."
     );
-    if let Some(note) = &loaded.note {
+    if let Some(note) = loaded.note.as_ref().filter(|_| !refs.is_empty()) {
         println!("{note}");
     }
     println!("Path: {path}; decode path: {}.", engine.decode_path);

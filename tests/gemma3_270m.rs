@@ -13,6 +13,7 @@
 //! vocabulary (no tokenizer involved): two short ones and two longer than
 //! the 512-token window.
 
+mod gemma3_prompts;
 mod gemma3_reference;
 
 use std::path::{Path, PathBuf};
@@ -28,13 +29,12 @@ use candle_paged_attention::models::generation::{
 use candle_paged_attention::models::quantized_gemma3::{GgufGemma3Params, QuantizedGemma3};
 use candle_paged_attention::models::{CacheConfig, PagedKvCache, PagedModel, PagedOptions};
 use candle_paged_attention::Work;
+use gemma3_prompts::{decode, margins, prompts, story_prompt, vocabulary, WINDOW};
 use gemma3_reference::{ModelWeights, Patches};
 
 /// The tests below hold ~1-4 GB of weights each: one at a time.
 static HEAVY: Mutex<()> = Mutex::new(());
 
-const BOS: u32 = 2;
-const WINDOW: usize = 512;
 const NEW_TOKENS: usize = 16;
 /// Prompt chunk of the paged runs (the long prompts take several).
 const CHUNK: usize = 160;
@@ -51,92 +51,6 @@ fn gemma3_path() -> Result<PathBuf> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
-}
-
-/// The vocabulary's pieces (`tokenizer.ggml.tokens`).
-fn vocabulary(content: &gguf_file::Content) -> Result<Vec<String>> {
-    let tokens = content
-        .metadata
-        .get("tokenizer.ggml.tokens")
-        .context("no tokenizer.ggml.tokens")?
-        .to_vec()?;
-    Ok(tokens
-        .iter()
-        .map(|t| t.to_string().cloned())
-        .collect::<candle_core::Result<_>>()?)
-}
-
-/// BOS, then each word as one SentencePiece piece (`▁word` after the first
-/// word, trailing punctuation as its own piece).
-fn encode_words(vocab: &[String], text: &str) -> Result<Vec<u32>> {
-    let id = |piece: &str| -> Result<u32> {
-        let i = vocab
-            .iter()
-            .position(|p| p == piece)
-            .with_context(|| format!("piece {piece:?} is not in the vocabulary"))?;
-        Ok(i as u32)
-    };
-    let mut ids = vec![BOS];
-    for (n, word) in text.split_whitespace().enumerate() {
-        let (stem, punct) = match word.strip_suffix(['.', ',']) {
-            Some(stem) => (stem, &word[stem.len()..]),
-            None => (word, ""),
-        };
-        let piece = if n == 0 {
-            stem.to_string()
-        } else {
-            format!("\u{2581}{stem}")
-        };
-        ids.push(id(&piece)?);
-        if !punct.is_empty() {
-            ids.push(id(punct)?);
-        }
-    }
-    Ok(ids)
-}
-
-/// The pieces joined, `▁` as a space (for printing).
-fn decode(vocab: &[String], ids: &[u32]) -> String {
-    ids.iter()
-        .map(|&i| vocab.get(i as usize).map_or("?", String::as_str))
-        .collect::<String>()
-        .replace('\u{2581}', " ")
-}
-
-const STORY: &str = "Once upon a time there was a little girl who lived in a small house near the \
-    forest. Every morning she walked to the river with her old dog, and every evening she \
-    told her grandmother what she had seen. The birds sang in the trees, the wind moved the \
-    long grass, and the water was cold and clear.";
-
-const LESSON: &str = "The sun is a star at the center of our solar system. The earth moves \
-    around the sun once every year, and the moon moves around the earth. Light from the sun \
-    takes about eight minutes to reach us. Plants use that light to make food, and animals \
-    eat the plants.";
-
-/// Two short prompts and two longer than the window (the story repeated to
-/// 600 tokens, the lesson to 530).
-fn prompts(vocab: &[String]) -> Result<Vec<Vec<u32>>> {
-    let repeated = |text: &str, len: usize| -> Result<Vec<u32>> {
-        let once = encode_words(vocab, text)?;
-        let mut ids = vec![BOS];
-        while ids.len() < len {
-            ids.extend_from_slice(&once[1..]);
-        }
-        ids.truncate(len);
-        Ok(ids)
-    };
-    let p = vec![
-        encode_words(vocab, "The capital of France is")?,
-        encode_words(
-            vocab,
-            "Here is a short story about a dog named Max. Max loved to run in the park every \
-             morning with his best friend, a small black cat. One day",
-        )?,
-        repeated(STORY, 600)?,
-        repeated(LESSON, 530)?,
-    ];
-    ensure!(p[2].len() > WINDOW + 64 && p[3].len() > WINDOW);
-    Ok(p)
 }
 
 /// The same GGUF with every tensor dequantized to f32, in memory.
@@ -565,33 +479,9 @@ fn gemma3_270m_q4_k_m_matches_reference() -> Result<()> {
     Ok(())
 }
 
-/// Greedy margins: the gap between the top two logits of each step.
-fn margins(logits: &[Tensor]) -> Result<Vec<f32>> {
-    logits
-        .iter()
-        .map(|l| {
-            let mut v = l.to_vec1::<f32>()?;
-            v.sort_by(|a, b| b.total_cmp(a));
-            Ok(v[0] - v[1])
-        })
-        .collect()
-}
-
-/// The story repeated to 150 tokens (a prefill longer than the short
-/// prompts', within one chunk).
-fn story_prompt(vocab: &[String]) -> Result<Vec<u32>> {
-    let once = encode_words(vocab, STORY)?;
-    let mut ids = vec![BOS];
-    while ids.len() < 150 {
-        ids.extend_from_slice(&once[1..]);
-    }
-    ids.truncate(150);
-    Ok(ids)
-}
-
 /// Our Q4_K_M model with bf16 activations against f32, on the CPU
 /// (candle's CPU quantized matmuls widen bf16 inputs to f32): the two short
-/// prompts and a 150-token one, batched through the engine, and
+/// prompts and a 120-token one, batched through the engine, and
 /// teacher-forced along the f32 model's greedy tokens.
 ///
 /// * The logits agree to within `TOL`: the activations round to bf16, and
@@ -617,7 +507,9 @@ fn gemma3_270m_bf16_follows_f32() -> Result<()> {
     let mut file = std::fs::File::open(&path)?;
     let vocab = vocabulary(&read_content(&mut file)?)?;
     let mut prompts = prompts(&vocab)?[..2].to_vec();
-    prompts.push(story_prompt(&vocab)?);
+    // 6 + 33 + 120 prompt tokens: one step of `CHUNK`, in the engine as in
+    // `paged_logits`, so that both run the same batches.
+    prompts.push(story_prompt(&vocab, 120)?);
     let f32_model = ours(&mut file, false)?;
     let want = engine_tokens(&f32_model, &prompts)?;
     let want_logits = paged_logits(&f32_model, &prompts, &want, CHUNK)?;
