@@ -134,7 +134,8 @@ pub struct Args {
     device: String,
     /// Activation dtype: auto (f32 on the CPU, bf16 on CUDA), f32, bf16 or
     /// f16. GGUF Llama models take bf16/f16 on CUDA only (or with
-    /// --dequantize); GGUF Gemma 3 runs in f32.
+    /// --dequantize); GGUF Gemma 3 takes bf16 (its residual stream
+    /// overflows f16), on the CPU too, and runs dequantized in f32 only.
     #[arg(long, default_value = "auto")]
     dtype: String,
     /// KV cache blocks per layer (overrides --kv-memory-mb and
@@ -266,18 +267,19 @@ fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Resu
         .and_then(|v| v.to_string().ok())
         .cloned()
         .unwrap_or_default();
+    let dtype = activation_dtype(&args.dtype, dev)?;
     let model: Box<dyn PagedModel> = match (arch.as_str(), dequantize) {
+        ("gemma3", true) if dtype != DType::F32 => bail!(
+            "GGUF Gemma 3 runs dequantized in f32 only, not {dtype:?} (--dtype f32, or --keep-quantized for {dtype:?})"
+        ),
         ("gemma3", true) => Box::new(QuantizedGemma3::from_gguf_dequantized(
             &ct, &mut file, dev, opts,
         )?),
-        ("gemma3", false) => Box::new(QuantizedGemma3::from_gguf(&ct, &mut file, dev, opts)?),
+        ("gemma3", false) => Box::new(QuantizedGemma3::from_gguf_with_dtype(
+            &ct, &mut file, dev, opts, dtype,
+        )?),
         (_, dequantize) => Box::new(quantized_llama::QuantizedLlama::from_gguf_with_dtype(
-            &ct,
-            &mut file,
-            dev,
-            opts,
-            dequantize,
-            activation_dtype(&args.dtype, dev)?,
+            &ct, &mut file, dev, opts, dequantize, dtype,
         )?),
     };
     Ok(Loaded {

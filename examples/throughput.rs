@@ -17,6 +17,14 @@
 //! # a Llama-3-8B-shaped model with random bf16 weights (no download):
 //! cargo run --release --features models,cuda --example throughput -- --device cuda \
 //!     --model llama3-8b-random --num-requests 1 --ref-requests 1
+//! # Gemma 3 270M (GGUF Q4_K_M, bf16 activations on CUDA), batch 1 and batch 32:
+//! cargo run --release --features models,cuda --example throughput -- --device cuda \
+//!     --model gemma3-270m --num-requests 8 --max-num-seqs 1 --ref-requests 8
+//! cargo run --release --features models,cuda --example throughput -- --device cuda \
+//!     --model gemma3-270m --num-requests 64 --max-num-seqs 32 --ref-requests 4
+//! # the same on the CPU, tiny:
+//! cargo run --release --features models --example throughput -- --model gemma3-270m \
+//!     --num-requests 4 --prompt-len 32 --max-tokens 16
 //! # the same on the CPU, shrunk:
 //! cargo run --release --features models --example throughput -- --model llama3-8b-random \
 //!     --layers 2 --hidden 256 --intermediate 512 --heads 4 --kv-heads 2 --vocab 4096 \
@@ -43,6 +51,20 @@
 //!   `scripts/fetch-smollm2.sh` (or `--gguf PATH`), the paged
 //!   `QuantizedLlama` against candle-transformers' `quantized_llama`.
 //!   `--dequantize` loads f32 weights on both sides.
+//! * `--model gemma3-270m`: Gemma 3 270M (GGUF Q4_K_M) from
+//!   `scripts/fetch-gemma3.sh` (or `--gguf PATH`), the paged
+//!   `QuantizedGemma3` against candle-transformers' `quantized_gemma3`
+//!   (which batches decodes: its `forward` takes `(batch, seq_len)`; a
+//!   whole-prompt forward of a batch fails in 0.11.1, "input has to be
+//!   contiguous", at the strided last-position rows it norms, so its
+//!   batches prefill one position per forward, as the report says). A `--gguf`
+//!   file whose `general.architecture` is `gemma3` takes this path whatever
+//!   `--model` says. The two compute different functions: candle-transformers
+//!   uses SiLU in the MLP where Gemma 3 uses GELU and lets decodes see past
+//!   the 512-token window (`docs/gemma3.md`), so their tokens differ and the
+//!   identical-output counts say nothing about correctness; the per-token
+//!   work is the same up to the window. `--dequantize` loads f32 weights on
+//!   both sides (the paged model then runs f32 activations).
 //! * `--model llama3-8b-random`: Llama-3-8B's shape (`--layers 32 --hidden
 //!   4096 --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256`, rope
 //!   theta 500000) with seeded random weights (`--weight-std`, norms at 1)
@@ -90,6 +112,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_paged_attention::models::generation::SchedulerConfig;
+use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
 use candle_paged_attention::models::{
     llama, quantized_llama, CacheConfig, CacheSizing, PagedKvCache, PagedModel, PagedOptions,
 };
@@ -100,7 +123,7 @@ use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 use serde_json::json;
 
-use reference::{DenseRef, QuantizedRef, Reference};
+use reference::{DenseRef, QuantizedGemma3Ref, QuantizedRef, Reference};
 use stats::RunStats;
 use workload::{Dist, LenDist, WorkloadSpec};
 
@@ -110,6 +133,9 @@ enum ModelKind {
     Smollm2,
     /// A Llama-3-8B-shaped model with random weights.
     Llama3_8bRandom,
+    /// Gemma 3 270M, GGUF (Q4_K_M).
+    #[value(name = "gemma3-270m")]
+    Gemma3_270m,
 }
 
 #[derive(Parser, Debug)]
@@ -121,14 +147,16 @@ struct Args {
     /// cpu or cuda (cuda needs --features cuda).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// A SmolLM2 (Llama-architecture) GGUF file; default: scripts/fetch-smollm2.sh.
+    /// A GGUF file (architecture llama or gemma3); default:
+    /// scripts/fetch-smollm2.sh, or scripts/fetch-gemma3.sh for gemma3-270m.
     #[arg(long)]
     gguf: Option<PathBuf>,
     /// Dequantize GGUF weights to f32 on both sides.
     #[arg(long)]
     dequantize: bool,
     /// Activations of the paged GGUF model: auto (f32 on the CPU, bf16 on
-    /// CUDA), f32, bf16 or f16. candle-transformers' side runs f32.
+    /// CUDA), f32, bf16 or f16 (Gemma 3: f32 or bf16; f32 when
+    /// dequantized). candle-transformers' side runs f32.
     #[arg(long, default_value = "auto")]
     gguf_dtype: String,
 
@@ -250,12 +278,14 @@ struct Loaded {
     /// Longest context (prompt + output) both sides support.
     max_context: usize,
     description: String,
+    /// Printed under the table, when there is something to say.
+    note: Option<String>,
 }
 
-fn fetch_smollm2() -> Result<PathBuf> {
-    Ok(candle_paged_attention::models::fetch::fetch_model(
-        "fetch-smollm2.sh",
-    )?)
+/// Runs `scripts/{name}` (found by `models::fetch`) and returns the model
+/// path it prints.
+fn fetch(name: &str) -> Result<PathBuf> {
+    Ok(candle_paged_attention::models::fetch::fetch_model(name)?)
 }
 
 /// Ids of the GGUF vocabulary's ordinary tokens (token type 1; control,
@@ -300,10 +330,24 @@ fn gguf_step_bytes(ct: &gguf_file::Content, dequantize: bool) -> usize {
     }
 }
 
-fn load_smollm2(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
-    let path = match &args.gguf {
-        Some(p) => p.clone(),
-        None => fetch_smollm2()?,
+/// `--gguf-dtype`: `auto` is f32 on the CPU and bf16 on CUDA.
+fn gguf_dtype(args: &Args, dev: &Device) -> Result<DType> {
+    Ok(match args.gguf_dtype.as_str() {
+        "auto" if dev.is_cuda() => DType::BF16,
+        "auto" | "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        d => bail!("--gguf-dtype must be auto, f32, bf16 or f16, got {d}"),
+    })
+}
+
+/// A GGUF model (`--gguf`, or the `--model`'s fetch script), by its
+/// architecture: Gemma 3 or Llama.
+fn load_gguf(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
+    let path = match (&args.gguf, args.model) {
+        (Some(p), _) => p.clone(),
+        (None, ModelKind::Gemma3_270m) => fetch("fetch-gemma3.sh")?,
+        (None, _) => fetch("fetch-smollm2.sh")?,
     };
     let open = || -> Result<(std::fs::File, gguf_file::Content)> {
         let mut f =
@@ -312,13 +356,70 @@ fn load_smollm2(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded>
         Ok((f, ct))
     };
     let (mut file, ct) = open()?;
-    let gguf_dtype = match args.gguf_dtype.as_str() {
-        "auto" if dev.is_cuda() => DType::BF16,
-        "auto" | "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        d => bail!("--gguf-dtype must be auto, f32, bf16 or f16, got {d}"),
+    let arch = ct
+        .metadata
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_default();
+    let name = ct
+        .metadata
+        .get("general.name")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_else(|| path.display().to_string());
+    let context_length = |key: &str| {
+        ct.metadata
+            .get(key)
+            .and_then(|v| v.to_u32().ok())
+            .map_or(usize::MAX, |n| n as usize)
     };
+    let wtype = ct
+        .tensor_infos
+        .get("blk.0.attn_q.weight")
+        .map(|t| format!("{:?}", t.ggml_dtype))
+        .unwrap_or_default();
+    let description = if args.dequantize {
+        format!("{name} (GGUF {wtype}, dequantized to f32 on both sides)")
+    } else {
+        format!("{name} (GGUF {wtype}, quantized matmuls)")
+    };
+    let gguf_dtype = gguf_dtype(args, dev)?;
+    if arch == "gemma3" {
+        let paged: Box<dyn PagedModel> = if args.dequantize {
+            if args.gguf_dtype != "auto" && gguf_dtype != DType::F32 {
+                bail!("--dequantize runs Gemma 3 in f32, not --gguf-dtype {gguf_dtype:?}");
+            }
+            Box::new(QuantizedGemma3::from_gguf_dequantized(
+                &ct, &mut file, dev, opts,
+            )?)
+        } else {
+            Box::new(QuantizedGemma3::from_gguf_with_dtype(
+                &ct, &mut file, dev, opts, gguf_dtype,
+            )?)
+        };
+        let reference: Option<Box<dyn Reference>> = if args.no_reference {
+            None
+        } else {
+            // candle-transformers' loader takes the content by value.
+            let (mut f, ct) = open()?;
+            let m = ct::quantized_gemma3::ModelWeights::from_gguf(ct, &mut f, dev)?;
+            Some(Box::new(QuantizedGemma3Ref(m)))
+        };
+        return Ok(Loaded {
+            paged,
+            reference,
+            pool: ordinary_tokens(&ct)?,
+            step_weight_bytes: gguf_step_bytes(&ct, args.dequantize),
+            // candle-transformers' rotary table ends at its MAX_SEQ_LEN.
+            max_context: ct::quantized_gemma3::MAX_SEQ_LEN
+                .min(context_length("gemma3.context_length")),
+            description,
+            note: Some(
+                "candle-transformers' quantized_gemma3 computes a different function from Gemma 3's (SiLU in the MLP instead of GELU; decodes not limited to the 512-token window; docs/gemma3.md): its tokens differ from the engine's, so the identical-output counts say nothing about either side's correctness.".into(),
+            ),
+        });
+    }
     let paged: Box<dyn PagedModel> =
         Box::new(quantized_llama::QuantizedLlama::from_gguf_with_dtype(
             &ct,
@@ -336,34 +437,15 @@ fn load_smollm2(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded>
         let m = ct::quantized_llama::ModelWeights::from_gguf(ct, &mut f, dev)?;
         Some(Box::new(QuantizedRef(m)))
     };
-    let name = ct
-        .metadata
-        .get("general.name")
-        .and_then(|v| v.to_string().ok())
-        .cloned()
-        .unwrap_or_else(|| path.display().to_string());
-    let context_length = ct
-        .metadata
-        .get("llama.context_length")
-        .and_then(|v| v.to_u32().ok())
-        .map_or(usize::MAX, |n| n as usize);
-    let wtype = ct
-        .tensor_infos
-        .get("blk.0.attn_q.weight")
-        .map(|t| format!("{:?}", t.ggml_dtype))
-        .unwrap_or_default();
     Ok(Loaded {
         paged,
         reference,
         pool: ordinary_tokens(&ct)?,
         step_weight_bytes: gguf_step_bytes(&ct, args.dequantize),
         // candle-transformers' rotary table ends at its MAX_SEQ_LEN (4096).
-        max_context: ct::quantized_llama::MAX_SEQ_LEN.min(context_length),
-        description: if args.dequantize {
-            format!("{name} (GGUF {wtype}, dequantized to f32 on both sides)")
-        } else {
-            format!("{name} (GGUF {wtype}, quantized matmuls)")
-        },
+        max_context: ct::quantized_llama::MAX_SEQ_LEN.min(context_length("llama.context_length")),
+        description,
+        note: None,
     })
 }
 
@@ -515,6 +597,7 @@ fn load_llama3_random(args: &Args, dev: &Device, opts: PagedOptions) -> Result<L
             cfg.vocab_size,
             total as f64 / 1e6
         ),
+        note: None,
     })
 }
 
@@ -542,7 +625,7 @@ fn main() -> Result<()> {
     };
     let start = std::time::Instant::now();
     let mut loaded = match args.model {
-        ModelKind::Smollm2 => load_smollm2(&args, &dev, opts)?,
+        ModelKind::Smollm2 | ModelKind::Gemma3_270m => load_gguf(&args, &dev, opts)?,
         ModelKind::Llama3_8bRandom => load_llama3_random(&args, &dev, opts)?,
     };
     eprintln!("loaded in {:.2?}: {}", start.elapsed(), loaded.description);
@@ -718,6 +801,9 @@ fn main() -> Result<()> {
     println!(
         "Greedy outputs may part at near-ties of the logits (batching changes summation order; quantized matmuls round activations to 8 bits); both sides generate the same number of tokens either way."
     );
+    if let Some(note) = loaded.note.as_ref().filter(|_| !refs.is_empty()) {
+        println!("{note}");
+    }
     println!("Path: {path}; decode path: {}.", engine.decode_path);
     match &ref_prefill {
         Some(reference::Prefill::PerPosition(e)) => println!(
@@ -747,6 +833,7 @@ fn main() -> Result<()> {
     if let Some(p) = &args.json {
         let v = json!({
             "model": loaded.description,
+            "note": loaded.note,
             "path": path,
             "decode_path": engine.decode_path,
             "workload": {

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
-use candle_transformers::models::{llama, quantized_llama};
+use candle_transformers::models::{llama, quantized_gemma3, quantized_llama};
 
 use super::stats::{RunStats, Timeline};
 use super::workload::WorkItem;
@@ -28,6 +28,21 @@ pub struct QuantizedRef(pub quantized_llama::ModelWeights);
 impl Reference for QuantizedRef {
     fn reset(&mut self) -> Result<()> {
         self.0.clear_kv_cache();
+        Ok(())
+    }
+
+    fn forward(&mut self, tokens: &Tensor, pos: usize) -> Result<Tensor> {
+        Ok(self.0.forward(tokens, pos)?)
+    }
+}
+
+/// candle-transformers' `quantized_gemma3` (GGUF). Its `forward` takes a
+/// batch, `(batch, seq_len)`; it has no way to clear its cache, and needs
+/// none: a forward at position 0 replaces the cached keys and values.
+pub struct QuantizedGemma3Ref(pub quantized_gemma3::ModelWeights);
+
+impl Reference for QuantizedGemma3Ref {
+    fn reset(&mut self) -> Result<()> {
         Ok(())
     }
 

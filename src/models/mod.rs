@@ -102,6 +102,8 @@ pub mod gemma2;
 pub mod gemma3;
 pub mod generation;
 #[cfg(feature = "models")]
+mod gguf;
+#[cfg(feature = "models")]
 pub mod hub;
 mod kv_cache;
 #[cfg(feature = "models")]

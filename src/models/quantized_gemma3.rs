@@ -24,22 +24,35 @@
 //! ignore the window, and it ignores `rope.scaling.factor`.
 //!
 //! GGUF norm weights already hold Gemma's `1 + weight`, so the norms
-//! multiply by the stored weight. Shapes, for `n` batch tokens, hidden size
-//! `H`, `h` query heads and `kvh` KV heads of `d` elements, MLP width `I`:
-//! `token_embd` `(vocab, H)`; `attn_q` `(h * d, H)`, `attn_k`/`attn_v`
-//! `(kvh * d, H)`, `attn_output` `(H, h * d)`; `attn_q_norm`/`attn_k_norm`
-//! `(d,)`; `ffn_gate`/`ffn_up` `(I, H)`, `ffn_down` `(H, I)`; the four
-//! layer norms and `output_norm` `(H,)`. Activations are f32 `(n, H)`.
+//! multiply by the stored weight.
+//!
+//! Activations are f32 by default, as in candle-transformers;
+//! [`QuantizedGemma3::from_gguf_with_dtype`] runs them in bf16 as Hugging
+//! Face runs the model in bf16 (f16 overflows its residual stream): the
+//! residual stream, the matmul inputs, the rotary rows, the attention and
+//! the KV cache (unless fp8) in bf16; every RMS norm computed in f32 with
+//! f32 weights (the stored `1 + weight` would lose its low bits in bf16)
+//! and its result cast back; the embedding table scaled by
+//! `sqrt(hidden_size)` in f32 before the cast (one rounding instead of
+//! two); f32 logits.
+//!
+//! Shapes, for `n` batch tokens, hidden size `H`, `h` query heads and `kvh`
+//! KV heads of `d` elements, MLP width `I`: `token_embd` `(vocab, H)`;
+//! `attn_q` `(h * d, H)`, `attn_k`/`attn_v` `(kvh * d, H)`, `attn_output`
+//! `(H, h * d)`; `attn_q_norm`/`attn_k_norm` `(d,)`; `ffn_gate`/`ffn_up`
+//! `(I, H)`, `ffn_down` `(H, I)`; the four layer norms and `output_norm`
+//! `(H,)`. Activations are `(n, H)` in the model's dtype.
 
 use std::io::{Read, Seek};
 
-use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::quantized::{gguf_file, QMatMul};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm};
 
+use super::gguf::{check_activation_dtype, lm_head, GgufWeights};
 use super::layers::QProjections;
 use super::rotary::{Rotary, RotaryEmbedding};
-use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
+use super::{check_cache, check_input, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
 use crate::cache::LayerKvCache;
 use crate::metadata::AttentionMetadata;
@@ -190,26 +203,45 @@ impl GgufGemma3Params {
     }
 }
 
+/// An RMS norm computed in f32 (its weight `(dim,)` f32) whatever the
+/// input's dtype, the result cast to `dtype`: Hugging Face's
+/// `Gemma3RMSNorm`, which normalizes and scales by `1 + weight` in f32.
+#[derive(Clone, Debug)]
+struct F32RmsNorm {
+    norm: RmsNorm,
+    dtype: DType,
+}
+
+impl Module for F32RmsNorm {
+    /// `x` `(..., dim)` f32, bf16 or f16 -> the same shape in `dtype`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.to_dtype(DType::F32)?
+            .apply(&self.norm)?
+            .to_dtype(self.dtype)
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Layer {
-    attn_norm: RmsNorm,
+    attn_norm: F32RmsNorm,
     /// `attn_q`, `attn_k`, `attn_v`.
     wqkv: QProjections,
     /// `attn_q_norm`, `attn_k_norm`: over each head's `d` elements.
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
+    q_norm: F32RmsNorm,
+    k_norm: F32RmsNorm,
     wo: QMatMul,
     attn: Attention,
-    post_attention_norm: RmsNorm,
-    ffn_norm: RmsNorm,
+    post_attention_norm: F32RmsNorm,
+    ffn_norm: F32RmsNorm,
     /// `ffn_gate`, `ffn_up`.
     w_gate_up: QProjections,
     w_down: QMatMul,
-    post_ffw_norm: RmsNorm,
+    post_ffw_norm: F32RmsNorm,
 }
 
 impl Layer {
-    /// `x` `(n, H)` (normed) -> `(n, H)`.
+    /// `x` `(n, H)` (normed, in the activation dtype) -> `(n, H)` (in the
+    /// dtype the quantized matmul returns: the post-norm takes any).
     fn attention(
         &self,
         x: &Tensor,
@@ -224,21 +256,25 @@ impl Layer {
         );
         let n = x.dim(0)?;
         let [q, k, v] = self.wqkv.forward(x)?;
+        // The norms return the activation dtype; v is cast to it (quantized
+        // matmuls of more than 8 rows return f32 whatever their input).
         let q = q.reshape((n, h, d))?.apply(&self.q_norm)?;
         let k = k.reshape((n, kvh, d))?.apply(&self.k_norm)?;
+        let v = v.to_dtype(x.dtype())?;
         let q = rotary.apply(&q, h)?;
         let k = rotary.apply(&k, kvh)?;
         let y = self.attn.forward(&q, &k, &v, cache, metadata)?;
         self.wo.forward(&y)
     }
 
-    /// `x` `(n, H)` (normed) -> `(n, H)`.
+    /// `x` `(n, H)` (normed, in the activation dtype) -> `(n, H)` (in the
+    /// dtype the quantized matmul returns).
     fn mlp(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = self.w_gate_up.forward(x)?;
-        self.w_down.forward(&(gate.gelu()? * up)?)
+        let [gate, up] = self.w_gate_up.forward(x)?.map(|t| t.to_dtype(x.dtype()));
+        self.w_down.forward(&(gate?.gelu()? * up?)?)
     }
 
-    /// `x` `(n, H)` -> `(n, H)`.
+    /// `x` `(n, H)` -> `(n, H)`, in the activation dtype.
     fn forward(
         &self,
         x: &Tensor,
@@ -255,12 +291,17 @@ impl Layer {
     }
 }
 
-/// A paged Gemma 3 with GGUF (quantized) weights; activations are f32.
+/// A paged Gemma 3 with GGUF (quantized) weights; activations are f32, or
+/// bf16 ([`QuantizedGemma3::from_gguf_with_dtype`]).
 #[derive(Clone, Debug)]
 pub struct QuantizedGemma3 {
+    dtype: DType,
     tok_embeddings: Embedding,
+    /// `sqrt(hidden_size)` when the lookup table is not pre-scaled (it is
+    /// shared with the tied output projection).
+    embed_scale: Option<f64>,
     layers: Vec<Layer>,
-    norm: RmsNorm,
+    norm: F32RmsNorm,
     output: QMatMul,
     rotary_local: RotaryEmbedding,
     rotary_global: RotaryEmbedding,
@@ -285,7 +326,33 @@ impl QuantizedGemma3 {
         device: &Device,
         options: PagedOptions,
     ) -> Result<Self> {
-        Self::load(ct, reader, device, options, false)
+        Self::load(ct, reader, device, options, false, DType::F32)
+    }
+
+    /// Like [`from_gguf`](Self::from_gguf), with activations in `dtype`:
+    /// f32 or bf16. The projections stay quantized (candle's quantized
+    /// matmuls take bf16 inputs on CUDA and on the CPU, where they are
+    /// widened to f32 for the dot products). The embedding table, the
+    /// rotary rows and the KV cache (unless fp8) are in `dtype`; the norms
+    /// run in f32 and return `dtype`; the logits are f32.
+    ///
+    /// f16 is refused: Gemma 3's residual stream outgrows its range (on
+    /// gemma-3-270m it reaches about 1.0e5 by the middle layers, past f16's
+    /// 65504, and turns infinite), as Hugging Face warns for the model.
+    pub fn from_gguf_with_dtype<R: Read + Seek>(
+        ct: &gguf_file::Content,
+        reader: &mut R,
+        device: &Device,
+        options: PagedOptions,
+        dtype: DType,
+    ) -> Result<Self> {
+        check_activation_dtype(OP, dtype)?;
+        if dtype == DType::F16 {
+            bail!(
+                "{OP}: f16 activations overflow Gemma 3's residual stream (it exceeds f16's 65504); use bf16 or f32"
+            );
+        }
+        Self::load(ct, reader, device, options, false, dtype)
     }
 
     /// Like [`from_gguf`](Self::from_gguf), with every weight dequantized to
@@ -299,7 +366,7 @@ impl QuantizedGemma3 {
         device: &Device,
         options: PagedOptions,
     ) -> Result<Self> {
-        Self::load(ct, reader, device, options, true)
+        Self::load(ct, reader, device, options, true, DType::F32)
     }
 
     fn load<R: Read + Seek>(
@@ -308,51 +375,34 @@ impl QuantizedGemma3 {
         device: &Device,
         options: PagedOptions,
         dequantize: bool,
+        dtype: DType,
     ) -> Result<Self> {
-        let matmul = |t: QTensor| -> Result<QMatMul> {
-            if dequantize {
-                Ok(QMatMul::Tensor(t.dequantize(device)?))
-            } else {
-                QMatMul::from_qtensor(t)
-            }
-        };
         let p = GgufGemma3Params::from_gguf(ct)?;
         let (hs, d) = (p.hidden_size, p.head_dim);
-        let norm = |name: &str, dim: usize, r: &mut R| -> Result<RmsNorm> {
-            let w = ct.tensor(r, name, device)?.dequantize(device)?;
-            if w.dims() != [dim] {
-                bail!("{OP}: {name} must be ({dim},), got {:?}", w.dims());
-            }
-            Ok(RmsNorm::new(w, p.rms_norm_eps))
+        let mut w = GgufWeights::new(OP, ct, reader, device, dtype, dequantize)?;
+        let norm = |w: &mut GgufWeights<R>, name: &str, dim: usize, out: DType| {
+            Ok::<_, candle_core::Error>(F32RmsNorm {
+                norm: RmsNorm::new(w.dense_f32(name, &[dim])?, p.rms_norm_eps),
+                dtype: out,
+            })
         };
-        let embd_q = ct.tensor(reader, "token_embd.weight", device)?;
-        let embd = embd_q.dequantize(device)?;
-        let (vocab_size, embd_width) = embd.dims2()?;
-        if embd_width != hs {
-            bail!("{OP}: token_embd has width {embd_width}, embedding_length is {hs}");
-        }
-        let output = match ct.tensor(reader, "output.weight", device) {
-            Ok(t) => matmul(t)?,
-            // Tied: the dense table serves both when dequantizing.
-            Err(_) if dequantize => QMatMul::Tensor(embd.clone()),
-            Err(_) => QMatMul::from_qtensor(embd_q)?,
+        let (embd_q, embd) = w.embeddings(hs)?;
+        let vocab_size = embd.dim(0)?;
+        let scale = (hs as f64).sqrt();
+        let tied = !ct.tensor_infos.contains_key("output.weight");
+        // Dequantized with tied weights, one dense f32 table serves the
+        // lookup and the output, and the lookup is scaled at run time;
+        // otherwise the lookup table is scaled in f32 before the cast.
+        let (output, lookup, embed_scale) = if dequantize && tied {
+            (w.output(embd_q, Some(&embd))?, embd, Some(scale))
+        } else {
+            let table = (embd * scale)?.to_dtype(dtype)?;
+            (w.output(embd_q, None)?, table, None)
         };
         let mut layers = Vec::with_capacity(p.num_layers);
         for i in 0..p.num_layers {
-            let mut q = |name: &str| -> Result<QMatMul> {
-                matmul(ct.tensor(reader, &format!("blk.{i}.{name}.weight"), device)?)
-            };
-            let (wo, w_down) = (q("attn_output")?, q("ffn_down")?);
-            // Joined on the host, then moved to the device.
-            let mut joined = |names: &[&str]| -> Result<QProjections> {
-                let weights = names
-                    .iter()
-                    .map(|n| ct.tensor(reader, &format!("blk.{i}.{n}.weight"), &Device::Cpu))
-                    .collect::<Result<Vec<_>>>()?;
-                QProjections::new(OP, weights, device, dequantize.then_some(DType::F32))
-            };
-            let wqkv = joined(&["attn_q", "attn_k", "attn_v"])?;
-            let w_gate_up = joined(&["ffn_gate", "ffn_up"])?;
+            let name = |n: &str| format!("blk.{i}.{n}.weight");
+            let names = |ns: &[&str]| ns.iter().map(|n| name(n)).collect::<Vec<_>>();
             let attn = Attention::new(
                 p.num_heads,
                 p.num_kv_heads,
@@ -365,20 +415,19 @@ impl QuantizedGemma3 {
                     ..Default::default()
                 },
             )?;
-            let mut n =
-                |name: &str, dim: usize| norm(&format!("blk.{i}.{name}.weight"), dim, reader);
+            let mut n = |n: &str, dim: usize| norm(&mut w, &name(n), dim, dtype);
             layers.push(Layer {
                 attn_norm: n("attn_norm", hs)?,
-                wqkv,
                 q_norm: n("attn_q_norm", d)?,
                 k_norm: n("attn_k_norm", d)?,
-                wo,
-                attn,
                 post_attention_norm: n("post_attention_norm", hs)?,
                 ffn_norm: n("ffn_norm", hs)?,
-                w_gate_up,
-                w_down,
                 post_ffw_norm: n("post_ffw_norm", hs)?,
+                wqkv: w.joined(&names(&["attn_q", "attn_k", "attn_v"]))?,
+                wo: w.matmul(&name("attn_output"))?,
+                attn,
+                w_gate_up: w.joined(&names(&["ffn_gate", "ffn_up"]))?,
+                w_down: w.matmul(&name("ffn_down"))?,
             });
         }
         // Inverse frequencies in f32, as candle-transformers and Hugging
@@ -389,12 +438,14 @@ impl QuantizedGemma3 {
                 .map(|i| 1f32 / base.powf(i as f32 / d as f32) / factor)
                 .collect();
             let context = p.context_length.unwrap_or(DEFAULT_CONTEXT_LENGTH);
-            RotaryEmbedding::new(&inv, context, false, DType::F32, device)
+            RotaryEmbedding::new(&inv, context, false, dtype, device)
         };
         Ok(Self {
-            tok_embeddings: Embedding::new(embd, hs),
+            dtype,
+            tok_embeddings: Embedding::new(lookup, hs),
+            embed_scale,
             layers,
-            norm: norm("output_norm.weight", hs, reader)?,
+            norm: norm(&mut w, "output_norm.weight", hs, dtype)?,
             output,
             rotary_local: table(p.rope_local_freq_base, 1.0)?,
             rotary_global: table(p.rope_freq_base, p.rope_scaling_factor.unwrap_or(1.0))?,
@@ -428,7 +479,7 @@ impl PagedModel for QuantizedGemma3 {
     }
 
     fn dtype(&self) -> DType {
-        DType::F32
+        self.dtype
     }
 
     fn forward(
@@ -442,15 +493,16 @@ impl PagedModel for QuantizedGemma3 {
         check_cache(OP, cache, self.layers.len())?;
         let local = self.rotary_local.at(metadata)?;
         let global = self.rotary_global.at(metadata)?;
-        let mut x =
-            (self.tok_embeddings.forward(input_ids)? * (self.params.hidden_size as f64).sqrt())?;
+        let mut x = self.tok_embeddings.forward(input_ids)?;
+        if let Some(scale) = self.embed_scale {
+            x = (x * scale)?;
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             let sliding = layer.attn.options().sliding_window.is_some();
             let rotary = if sliding { &local } else { &global };
             x = layer.forward(&x, rotary, cache.layer(i), metadata)?;
         }
-        let x = select_rows(OP, &x, rows)?.apply(&self.norm)?;
-        self.output.forward(&x)?.to_dtype(DType::F32)
+        lm_head(OP, &x, rows, &self.norm, &self.output)
     }
 }
 
@@ -460,7 +512,7 @@ mod tests {
     use std::io::Cursor;
 
     use candle_core::quantized::gguf_file::{Content, Value, VersionedMagic};
-    use candle_core::quantized::GgmlDType;
+    use candle_core::quantized::{GgmlDType, QTensor};
     use candle_nn::{VarBuilder, VarMap};
 
     use super::*;
@@ -643,7 +695,7 @@ mod tests {
                 window_blocks: Some(8),
                 ..CacheConfig::new(16)
             },
-            DType::F32,
+            model.dtype(),
             &dev,
         )?;
         let mut manager = cache.block_manager()?;
@@ -748,6 +800,38 @@ mod tests {
                 diff < 1e-4 * scale.max(1.0),
                 "step {step}: logits differ by {diff}"
             );
+        }
+
+        // bf16 activations (norms in f32): the logits to bf16's rounding.
+        file.set_position(0);
+        let ct = gguf_file::Content::read(&mut file)?;
+        let bf16 = QuantizedGemma3::from_gguf_with_dtype(&ct, &mut file, &dev, opts, DType::BF16)?;
+        assert_eq!(bf16.dtype(), DType::BF16);
+        for (step, (a, b)) in run(&bf16)?.iter().zip(&want).enumerate() {
+            let (diff, scale) = (max_abs(&(a - b)?)?, max_abs(b)?);
+            println!("bf16 step {step}: {diff} of {scale}");
+            assert_eq!(a.dtype(), DType::F32);
+            assert!(
+                diff < 3e-2 * scale.max(1.0),
+                "step {step}: bf16 logits differ by {diff}"
+            );
+        }
+        for (dtype, want) in [
+            (
+                DType::F16,
+                "quantized-gemma3: f16 activations overflow Gemma 3's residual stream (it exceeds f16's 65504); use bf16 or f32",
+            ),
+            (
+                DType::U8,
+                "quantized-gemma3: activations must be f32, bf16 or f16, got U8",
+            ),
+        ] {
+            file.set_position(0);
+            let ct = gguf_file::Content::read(&mut file)?;
+            let err = QuantizedGemma3::from_gguf_with_dtype(&ct, &mut file, &dev, opts, dtype)
+                .unwrap_err()
+                .to_string();
+            assert_eq!(err.lines().next(), Some(want), "{err}");
         }
 
         // Without the scaling factor the global layer rotates differently.

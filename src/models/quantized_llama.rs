@@ -18,10 +18,11 @@
 
 use std::io::{Read, Seek};
 
-use candle_core::quantized::{gguf_file, QMatMul, QTensor};
+use candle_core::quantized::{gguf_file, QMatMul};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::{Embedding, Module};
 
+use super::gguf::{check_activation_dtype, GgufWeights};
 use super::layers::{gated, FusedRmsNorm, QProjections};
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
@@ -194,13 +195,11 @@ impl QuantizedLlama {
         dequantize: bool,
         dtype: DType,
     ) -> Result<Self> {
-        match dtype {
-            DType::F32 => {}
-            DType::BF16 | DType::F16 if device.is_cuda() || dequantize => {}
-            DType::BF16 | DType::F16 => bail!(
+        check_activation_dtype(OP, dtype)?;
+        if dtype != DType::F32 && !device.is_cuda() && !dequantize {
+            bail!(
                 "{OP}: {dtype:?} activations need a CUDA device or dequantized weights (candle's CPU quantized matmuls take f32)"
-            ),
-            _ => bail!("{OP}: activations must be f32, bf16 or f16, got {dtype:?}"),
+            );
         }
         Self::load(ct, reader, device, options, dequantize, dtype)
     }
@@ -226,42 +225,22 @@ impl QuantizedLlama {
         dequantize: bool,
         dtype: DType,
     ) -> Result<Self> {
-        let matmul = |t: QTensor| -> Result<QMatMul> {
-            if dequantize {
-                Ok(QMatMul::Tensor(t.dequantize(device)?.to_dtype(dtype)?))
-            } else {
-                QMatMul::from_qtensor(t)
-            }
-        };
         let p = GgufLlamaParams::from_gguf(ct)?;
         let head_dim = p.head_dim();
-        let norm = |name: &str, r: &mut R| -> Result<FusedRmsNorm> {
-            let w = ct.tensor(r, name, device)?.dequantize(device)?;
-            Ok(FusedRmsNorm::new(w.to_dtype(dtype)?, p.rms_norm_eps))
+        let hs = p.hidden_size;
+        let mut w = GgufWeights::new(OP, ct, reader, device, dtype, dequantize)?;
+        let norm = |w: &mut GgufWeights<R>, name: &str| -> Result<FusedRmsNorm> {
+            let weight = w.dense_f32(name, &[hs])?.to_dtype(dtype)?;
+            Ok(FusedRmsNorm::new(weight, p.rms_norm_eps))
         };
-        let embd_q = ct.tensor(reader, "token_embd.weight", device)?;
-        let embd = embd_q.dequantize(device)?.to_dtype(dtype)?;
+        let (embd_q, embd) = w.embeddings(hs)?;
+        let embd = embd.to_dtype(dtype)?;
         let vocab_size = embd.dim(0)?;
-        let output = match ct.tensor(reader, "output.weight", device) {
-            Ok(t) => t,
-            Err(_) => embd_q,
-        };
+        let output = w.output(embd_q, Some(&embd))?;
         let mut layers = Vec::with_capacity(p.num_layers);
         for i in 0..p.num_layers {
-            let mut q = |name: &str| -> Result<QMatMul> {
-                matmul(ct.tensor(reader, &format!("blk.{i}.{name}.weight"), device)?)
-            };
-            let (wo, w_down) = (q("attn_output")?, q("ffn_down")?);
-            // Joined on the host, then moved to the device.
-            let mut joined = |names: &[&str]| -> Result<QProjections> {
-                let weights = names
-                    .iter()
-                    .map(|n| ct.tensor(reader, &format!("blk.{i}.{n}.weight"), &Device::Cpu))
-                    .collect::<Result<Vec<_>>>()?;
-                QProjections::new(OP, weights, device, dequantize.then_some(dtype))
-            };
-            let wqkv = joined(&["attn_q", "attn_k", "attn_v"])?;
-            let w_gate_up = joined(&["ffn_gate", "ffn_up"])?;
+            let name = |n: &str| format!("blk.{i}.{n}.weight");
+            let names = |ns: &[&str]| ns.iter().map(|n| name(n)).collect::<Vec<_>>();
             let attn = Attention::new(
                 p.num_heads,
                 p.num_kv_heads,
@@ -274,13 +253,13 @@ impl QuantizedLlama {
                 },
             )?;
             layers.push(Layer {
-                attn_norm: norm(&format!("blk.{i}.attn_norm.weight"), reader)?,
-                wqkv,
-                wo,
+                attn_norm: norm(&mut w, &name("attn_norm"))?,
+                wqkv: w.joined(&names(&["attn_q", "attn_k", "attn_v"]))?,
+                wo: w.matmul(&name("attn_output"))?,
                 attn,
-                ffn_norm: norm(&format!("blk.{i}.ffn_norm.weight"), reader)?,
-                w_gate_up,
-                w_down,
+                ffn_norm: norm(&mut w, &name("ffn_norm"))?,
+                w_gate_up: w.joined(&names(&["ffn_gate", "ffn_up"]))?,
+                w_down: w.matmul(&name("ffn_down"))?,
             });
         }
         let inv_freq: Vec<f32> = (0..p.rope_dim)
@@ -299,8 +278,8 @@ impl QuantizedLlama {
             dtype,
             tok_embeddings: Embedding::new(embd, p.hidden_size),
             layers,
-            norm: norm("output_norm.weight", reader)?,
-            output: matmul(output)?,
+            norm: norm(&mut w, "output_norm.weight")?,
+            output,
             rotary,
             params: p,
             vocab_size,
