@@ -184,52 +184,6 @@ fn device_limits(dev: &CudaDevice) -> Result<DeviceLimits> {
 /// shows up in tests. Read at every call (a `getenv`, negligible next to a
 /// launch): examples/bench.rs turns it on for one checked call and off for
 /// the timed ones.
-/// The kernel-name suffix of a float element type (`f32`, `f16`, `bf16`);
-/// other types are an error of `op`.
-pub(crate) fn float_name(op: &str, dtype: candle_core::DType) -> Result<&'static str> {
-    use candle_core::DType;
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        dt => bail!("{op}: expected f32, f16 or bf16, got {dt:?}"),
-    })
-}
-
-/// An output of `n` elements of `dtype` (f32, f16 or bf16; at least one
-/// element: a zero-byte allocation is not portable), filled with NaN when
-/// poisoning is on and uninitialised otherwise: the kernel that owns it
-/// writes every element before anything reads it.
-pub(crate) fn alloc_float_output(
-    op: &str,
-    dev: &CudaDevice,
-    dtype: candle_core::DType,
-    n: usize,
-) -> Result<CudaStorage> {
-    use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
-    use candle_core::cuda_backend::CudaDType;
-    use candle_core::DType;
-    fn alloc<T: CudaDType + DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
-        // SAFETY: the caller's kernel writes every element before anything
-        // reads it (poisoning, when on, fills it with NaN first).
-        let slice = unsafe { dev.alloc::<T>(n)? };
-        Ok(CudaStorage::wrap_cuda_slice(slice, dev.clone()))
-    }
-    let n = n.max(1);
-    let out = match dtype {
-        DType::F32 => alloc::<f32>(dev, n)?,
-        DType::F16 => alloc::<half::f16>(dev, n)?,
-        DType::BF16 => alloc::<half::bf16>(dev, n)?,
-        dt => bail!("{op}: cannot allocate a {dt:?} output"),
-    };
-    if poison_outputs() {
-        let stream = dev.cuda_stream();
-        let (addr, _sync) = device_address(&out, &Layout::contiguous(n), &stream);
-        fill_nan(addr, n * dtype.size_in_bytes(), &stream)?;
-    }
-    Ok(out)
-}
-
 fn poison_outputs() -> bool {
     std::env::var_os("CANDLE_PAGED_ATTENTION_POISON").is_some_and(|v| !v.is_empty() && v != "0")
 }

@@ -11,9 +11,7 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage};
 
-use super::{
-    alloc_float_output, cuda_storage, device_address, float_name, function, ptx, CACHE_MODULE,
-};
+use super::{cuda_storage, device_address, fill_nan, function, poison_outputs, ptx, CACHE_MODULE};
 use crate::params::KvScales;
 
 /// Threads of a program (one per token).
@@ -27,6 +25,15 @@ pub(crate) struct Rotation {
     pub(crate) interleaved: bool,
     /// Divisors of an fp8 cache's stores (checked by the op).
     pub(crate) scales: KvScales,
+}
+
+fn name_of(op: &str, dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        dt => bail!("{op}: expected f32, f16 or bf16, got {dt:?}"),
+    })
 }
 
 /// Runs the kernel. `qkv` `(n, (heads + 2 kv_heads) * d)`, `cos`/`sin`
@@ -67,7 +74,7 @@ pub(crate) fn forward(
         );
     };
     let n = qkv.1.dims().first().copied().unwrap_or(0);
-    float_name(op, qkv.0.dtype())?;
+    name_of(op, qkv.0.dtype())?;
     let fp8 = match kc.dtype() {
         DType::F8E4M3 => true,
         dt if dt == cos.0.dtype() => false,
@@ -78,16 +85,29 @@ pub(crate) fn forward(
     };
     if vc.dtype() != kc.dtype() || sl.dtype() != DType::I64 {
         bail!(
-            "{op}: value_cache is {:?} and key_cache {:?} (they must match); slot_mapping must be i64, got {:?}",
+            "{op}: value_cache {:?} / slots {:?}",
             vc.dtype(),
-            kc.dtype(),
             sl.dtype()
         );
     }
     let dev = qkv.0.device().clone();
     let q_elems = n * rot.heads * d;
-    // One program per token writes all its query elements.
-    let q = alloc_float_output(op, &dev, cos.0.dtype(), q_elems)?;
+    // SAFETY: every element is written by the kernel (one program per
+    // token writes all its query elements) before anything reads it.
+    let q = match cos.0.dtype() {
+        DType::F32 => {
+            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(q_elems.max(1))? }, dev.clone())
+        }
+        DType::F16 => CudaStorage::wrap_cuda_slice(
+            unsafe { dev.alloc::<half::f16>(q_elems.max(1))? },
+            dev.clone(),
+        ),
+        DType::BF16 => CudaStorage::wrap_cuda_slice(
+            unsafe { dev.alloc::<half::bf16>(q_elems.max(1))? },
+            dev.clone(),
+        ),
+        dt => bail!("{op}: unsupported dtype {dt:?}"),
+    };
     if n == 0 {
         return Ok(q);
     }
@@ -126,10 +146,13 @@ fn launch(
     let &[blocks, block_size, kv_heads, d] = kc_l.dims() else {
         bail!("{op}: key_cache must have rank 4, got {:?}", kc_l.dims());
     };
-    let model = float_name(op, cos.0.dtype())?;
-    let input = float_name(op, qkv.0.dtype())?;
+    let model = name_of(op, cos.0.dtype())?;
+    let input = name_of(op, qkv.0.dtype())?;
     let q_elems = n * rot.heads * d;
     let (q_addr, _q_sync) = device_address(q, &Layout::contiguous(q_elems), &stream);
+    if poison_outputs() {
+        fill_nan(q_addr, q_elems * cos.0.dtype().size_in_bytes(), &stream)?;
+    }
     let (Ok(heads), Ok(kvh), Ok(d_i)) = (
         i32::try_from(rot.heads),
         i32::try_from(kv_heads),
