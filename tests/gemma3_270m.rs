@@ -27,8 +27,7 @@ use candle_paged_attention::models::generation::{
 };
 use candle_paged_attention::models::quantized_gemma3::{GgufGemma3Params, QuantizedGemma3};
 use candle_paged_attention::models::{CacheConfig, PagedKvCache, PagedModel, PagedOptions};
-use candle_paged_attention::Work;
-use gemma3_prompts::{decode, margins, prompts, story_prompt, vocabulary, WINDOW};
+use gemma3_prompts::{decode, margins, paged_logits, prompts, story_prompt, vocabulary, WINDOW};
 use gemma3_reference::{ModelWeights, Patches};
 
 /// The tests below hold ~1-4 GB of weights each: one at a time.
@@ -161,70 +160,6 @@ fn engine_tokens(model: &dyn PagedModel, prompts: &[Vec<u32>]) -> Result<Vec<Vec
     for c in engine.run(|_| {})? {
         ensure!(c.error().is_none(), "request {}: {:?}", c.id, c.finish);
         out[c.id as usize] = c.tokens;
-    }
-    Ok(out)
-}
-
-/// Teacher-forced logits of our model: all prompts batched, prefilled in
-/// chunks of `chunk` tokens, then decodes feeding `decodes[i]` (all but the
-/// last). Per sequence, the logits `(vocab,)` after its prompt and after
-/// each decode.
-fn paged_logits(
-    model: &dyn PagedModel,
-    prompts: &[Vec<u32>],
-    decodes: &[Vec<u32>],
-    chunk: usize,
-) -> Result<Vec<Vec<Tensor>>> {
-    let dev = model.device().clone();
-    let cache = PagedKvCache::new(
-        &model.attention_layers(),
-        cache_config(),
-        model.dtype(),
-        &dev,
-    )?;
-    let mut manager = cache.block_manager()?;
-    for (i, p) in prompts.iter().enumerate() {
-        manager.add_sequence(i as u64, p)?;
-    }
-    let mut out: Vec<Vec<Tensor>> = vec![Vec::new(); prompts.len()];
-    let mut step = |work: Vec<Work>, out: &mut Vec<Vec<Tensor>>| -> Result<()> {
-        let batch = manager.schedule(&work, &dev)?;
-        let ready: Vec<usize> = (0..work.len()).filter(|&i| batch.ready[i]).collect();
-        let rows: Vec<usize> = ready.iter().map(|&i| batch.last_rows[i]).collect();
-        let ids = Tensor::new(batch.token_ids.as_slice(), &dev)?;
-        let rows_or_first = if rows.is_empty() { vec![0] } else { rows };
-        let logits = model.forward(&ids, &batch.metadata, &cache, &rows_or_first)?;
-        for (r, &i) in ready.iter().enumerate() {
-            out[batch.seq_ids[i] as usize].push(logits.get(r)?);
-        }
-        Ok(())
-    };
-    let mut done = vec![0; prompts.len()];
-    while done.iter().zip(prompts).any(|(d, p)| d < &p.len()) {
-        let mut work = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let n = (p.len() - done[i]).min(chunk);
-            if n > 0 {
-                work.push(Work::Prefill {
-                    seq_id: i as u64,
-                    num_tokens: n,
-                });
-                done[i] += n;
-            }
-        }
-        step(work, &mut out)?;
-    }
-    let steps = decodes.iter().map(Vec::len).min().unwrap_or(0);
-    for s in 0..steps.saturating_sub(1) {
-        let work = decodes
-            .iter()
-            .enumerate()
-            .map(|(i, d)| Work::Decode {
-                seq_id: i as u64,
-                token: d[s],
-            })
-            .collect();
-        step(work, &mut out)?;
     }
     Ok(out)
 }
@@ -374,7 +309,7 @@ fn gemma3_270m_greedy_tokens_match_reference() -> Result<()> {
     assert_eq!(model.max_seq_len(), 32768);
     let tokens = engine_tokens(&model, &prompts)?;
     let decodes: Vec<Vec<u32>> = expected.iter().map(|(t, _)| t.clone()).collect();
-    let logits = paged_logits(&model, &prompts, &decodes, 96)?;
+    let logits = paged_logits(&model, cache_config(), &prompts, &decodes, 96)?;
     for (i, (want, want_logits)) in expected.iter().enumerate() {
         let (diff, scale) = max_diff(&logits[i], want_logits)?;
         println!(
@@ -436,7 +371,7 @@ fn gemma3_270m_q4_k_m_matches_reference() -> Result<()> {
     drop(hf);
     let model = ours(&mut file, false)?;
     let decodes: Vec<Vec<u32>> = expected.iter().map(|(t, _)| t.clone()).collect();
-    let logits = paged_logits(&model, &prompts, &decodes, CHUNK)?;
+    let logits = paged_logits(&model, cache_config(), &prompts, &decodes, CHUNK)?;
     let mut checked = 0;
     for (i, (want, want_logits)) in expected.iter().enumerate() {
         let (diff, scale) = max_diff(&logits[i], want_logits)?;
@@ -503,7 +438,7 @@ fn gemma3_270m_bf16_follows_f32() -> Result<()> {
     prompts.push(story_prompt(&vocab, 120)?);
     let f32_model = ours(&mut file, false)?;
     let want = engine_tokens(&f32_model, &prompts)?;
-    let want_logits = paged_logits(&f32_model, &prompts, &want, CHUNK)?;
+    let want_logits = paged_logits(&f32_model, cache_config(), &prompts, &want, CHUNK)?;
     drop(f32_model);
     let content = read_content(&mut file)?;
     let model = QuantizedGemma3::from_gguf_with_dtype(
@@ -515,7 +450,7 @@ fn gemma3_270m_bf16_follows_f32() -> Result<()> {
     )?;
     assert_eq!(model.dtype(), DType::BF16);
     let tokens = engine_tokens(&model, &prompts)?;
-    let logits = paged_logits(&model, &prompts, &want, CHUNK)?;
+    let logits = paged_logits(&model, cache_config(), &prompts, &want, CHUNK)?;
     for i in 0..prompts.len() {
         let (diff, scale) = max_diff(&logits[i], &want_logits[i])?;
         let margin = margins(&want_logits[i])?;

@@ -31,14 +31,13 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
 use candle_core::quantized::gguf_file;
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, D};
 use candle_paged_attention::models::generation::{
     Engine, EngineStats, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
 use candle_paged_attention::models::{CacheConfig, PagedKvCache, PagedModel, PagedOptions};
-use candle_paged_attention::Work;
-use gemma3_prompts::{decode, margins, prompts, story_prompt, vocabulary};
+use gemma3_prompts::{decode, margins, paged_logits, prompts, story_prompt, vocabulary};
 
 const NEW_TOKENS: usize = 24;
 /// Every prompt prefilled in the first step, in the engine as in
@@ -95,61 +94,6 @@ fn run_engine(
     Ok((out, engine.stats()))
 }
 
-/// Teacher-forced logits: all prompts prefilled in one step, then decodes
-/// feeding `decodes[i]` (all but the last), all sequences together. Per
-/// sequence, the logits `(vocab,)` f32 after its prompt and each decode.
-fn paged_logits(
-    model: &dyn PagedModel,
-    prompts: &[Vec<u32>],
-    decodes: &[Vec<u32>],
-) -> Result<Vec<Vec<Tensor>>> {
-    let dev = model.device().clone();
-    let cache = PagedKvCache::new(
-        &model.attention_layers(),
-        cache_config(),
-        model.dtype(),
-        &dev,
-    )?;
-    let mut manager = cache.block_manager()?;
-    for (i, p) in prompts.iter().enumerate() {
-        manager.add_sequence(i as u64, p)?;
-    }
-    let mut out: Vec<Vec<Tensor>> = vec![Vec::new(); prompts.len()];
-    let mut step = |work: Vec<Work>| -> Result<()> {
-        let batch = manager.schedule(&work, &dev)?;
-        let rows: Vec<usize> = (0..work.len()).map(|i| batch.last_rows[i]).collect();
-        let ids = Tensor::new(batch.token_ids.as_slice(), &dev)?;
-        let logits = model.forward(&ids, &batch.metadata, &cache, &rows)?;
-        for i in 0..work.len() {
-            out[batch.seq_ids[i] as usize].push(logits.get(i)?.to_device(&Device::Cpu)?);
-        }
-        Ok(())
-    };
-    step(
-        prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| Work::Prefill {
-                seq_id: i as u64,
-                num_tokens: p.len(),
-            })
-            .collect(),
-    )?;
-    for s in 0..NEW_TOKENS - 1 {
-        step(
-            decodes
-                .iter()
-                .enumerate()
-                .map(|(i, d)| Work::Decode {
-                    seq_id: i as u64,
-                    token: d[s],
-                })
-                .collect(),
-        )?;
-    }
-    Ok(out)
-}
-
 fn load(path: &Path, dev: &Device, dtype: DType) -> Result<QuantizedGemma3> {
     let mut file = std::fs::File::open(path).with_context(|| path.display().to_string())?;
     let content = gguf_file::Content::read(&mut file)?;
@@ -197,9 +141,9 @@ cuda_test! {
 
         let f32_model = load(&path, dev, DType::F32)?;
         let (want, _) = run_engine(&f32_model, &prompts, false)?;
-        let want_logits = paged_logits(&f32_model, &prompts, &want)?;
+        let want_logits = paged_logits(&f32_model, cache_config(), &prompts, &want, usize::MAX)?;
         drop(f32_model);
-        let logits = paged_logits(&bf16, &prompts, &want)?;
+        let logits = paged_logits(&bf16, cache_config(), &prompts, &want, usize::MAX)?;
         for i in 0..prompts.len() {
             let margin = margins(&want_logits[i])?;
             let forced: Vec<u32> = logits[i]

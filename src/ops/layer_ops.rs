@@ -36,6 +36,18 @@ impl Norm {
         }
         Ok((x.shape().elem_count() / cols.max(1), cols))
     }
+
+    /// The CUDA launch's view of a call on `x` with `weight`.
+    #[cfg(feature = "cuda")]
+    fn cuda_shape(&self, x: &Layout, weight: &Layout) -> Result<crate::cuda::layer_ops::NormShape> {
+        let (rows, cols) = self.rows_cols(x, weight)?;
+        Ok(crate::cuda::layer_ops::NormShape {
+            rows,
+            cols,
+            eps: self.eps,
+            weight_offset: self.weight_offset,
+        })
+    }
 }
 
 fn check_norm_args(op: &str, x: &Tensor, weight: &Tensor, eps: f32, offset: f32) -> Result<()> {
@@ -93,13 +105,7 @@ impl candle_core::CustomOp2 for Norm {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (rows, cols) = self.rows_cols(xl, wl)?;
-        let shape = crate::cuda::layer_ops::NormShape {
-            rows,
-            cols,
-            eps: self.eps,
-            weight_offset: self.weight_offset,
-        };
+        let shape = self.cuda_shape(xl, wl)?;
         let out = crate::cuda::layer_ops::norm(self.op, shape, (x, xl), None, (w, wl))?;
         Ok((out, xl.shape().clone()))
     }
@@ -136,15 +142,9 @@ impl candle_core::CustomOp3 for Norm {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (rows, cols) = self.rows_cols(xl, wl)?;
-        let shape = crate::cuda::layer_ops::NormShape {
-            rows,
-            cols,
-            eps: self.eps,
-            weight_offset: self.weight_offset,
-        };
+        let shape = self.cuda_shape(xl, wl)?;
         let out = crate::cuda::layer_ops::norm(self.op, shape, (x, xl), Some((d, dl)), (w, wl))?;
-        Ok((out, Shape::from((2, rows, cols))))
+        Ok((out, Shape::from((2, shape.rows, shape.cols))))
     }
 }
 

@@ -5,7 +5,9 @@
 
 use anyhow::{ensure, Context, Result};
 use candle_core::quantized::gguf_file;
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
+use candle_paged_attention::models::{CacheConfig, PagedKvCache, PagedModel};
+use candle_paged_attention::Work;
 
 pub const BOS: u32 = 2;
 /// The sliding window of Gemma 3 270M's local layers.
@@ -119,4 +121,64 @@ pub fn story_prompt(vocab: &[String], len: usize) -> Result<Vec<u32>> {
     }
     ids.truncate(len);
     Ok(ids)
+}
+
+/// Teacher-forced logits of `model` over a cache of `cache`: all prompts
+/// batched, prefilled in chunks of `chunk` tokens, then decodes feeding `decodes[i]` (all but the
+/// last). Per sequence, the logits `(vocab,)` after its prompt and after
+/// each decode, copied to the CPU.
+pub fn paged_logits(
+    model: &dyn PagedModel,
+    cache: CacheConfig,
+    prompts: &[Vec<u32>],
+    decodes: &[Vec<u32>],
+    chunk: usize,
+) -> Result<Vec<Vec<Tensor>>> {
+    let dev = model.device().clone();
+    let cache = PagedKvCache::new(&model.attention_layers(), cache, model.dtype(), &dev)?;
+    let mut manager = cache.block_manager()?;
+    for (i, p) in prompts.iter().enumerate() {
+        manager.add_sequence(i as u64, p)?;
+    }
+    let mut out: Vec<Vec<Tensor>> = vec![Vec::new(); prompts.len()];
+    let mut step = |work: Vec<Work>, out: &mut Vec<Vec<Tensor>>| -> Result<()> {
+        let batch = manager.schedule(&work, &dev)?;
+        let ready: Vec<usize> = (0..work.len()).filter(|&i| batch.ready[i]).collect();
+        let rows: Vec<usize> = ready.iter().map(|&i| batch.last_rows[i]).collect();
+        let ids = Tensor::new(batch.token_ids.as_slice(), &dev)?;
+        let rows_or_first = if rows.is_empty() { vec![0] } else { rows };
+        let logits = model.forward(&ids, &batch.metadata, &cache, &rows_or_first)?;
+        for (r, &i) in ready.iter().enumerate() {
+            out[batch.seq_ids[i] as usize].push(logits.get(r)?.to_device(&Device::Cpu)?);
+        }
+        Ok(())
+    };
+    let mut done = vec![0; prompts.len()];
+    while done.iter().zip(prompts).any(|(d, p)| d < &p.len()) {
+        let mut work = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let n = (p.len() - done[i]).min(chunk);
+            if n > 0 {
+                work.push(Work::Prefill {
+                    seq_id: i as u64,
+                    num_tokens: n,
+                });
+                done[i] += n;
+            }
+        }
+        step(work, &mut out)?;
+    }
+    let steps = decodes.iter().map(Vec::len).min().unwrap_or(0);
+    for s in 0..steps.saturating_sub(1) {
+        let work = decodes
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Work::Decode {
+                seq_id: i as u64,
+                token: d[s],
+            })
+            .collect();
+        step(work, &mut out)?;
+    }
+    Ok(out)
 }
