@@ -13,13 +13,14 @@
 //   an online softmax, rescaling its accumulator only when a row's maximum
 //   moved; warps that split the keys of a tile are merged at the end. With
 //   one segment the program writes the output; with several it writes
-//   (max, sum, unnormalised output) partials, and in decode-shaped launches
-//   the last program of its group to finish merges them into the output
-//   (see "Split KV" below), so a split decode is still one launch. fp8
+//   (max, sum, unnormalised output) partials, which `reduce_segments_*`
+//   merges, or in decode-shaped launches given arrival counters, the last
+//   program of its group to finish (see "Split KV" below). fp8
 //   caches are dequantised in shared memory to f16 and run f16 MMAs, the
 //   queries scaled per row by a power of two into f16's range.
 // * `reduce_segments_{f16|bf16}`: merges the split-KV partials (and the
-//   sinks) of a prefill-shaped launch.
+//   sinks) of a launch that does not merge its own (every prefill-shaped
+//   one; decode-shaped ones launched without arrival counters).
 // * `unified_attention_scalar_f32[_fp8]`: the f32 path, one warp per
 //   (query row, query head), one key at a time.
 //
@@ -58,12 +59,13 @@
 //   one block barrier.
 // * write_output: each valid row's columns summed over the warps, then
 //   normalised with the sink (one segment) or stored as split-KV partials.
-// * split KV, decode-shaped: arrive, and for the last program of the group
-//   merge_segments (below).
+// * split KV, decode-shaped with arrival counters: arrive, and for the
+//   last program of the group merge_segments (below).
 // `reduce_body` and `ScalarProgram` (the f32 path) follow the same order:
 // locate, load, attend or merge, write.
 //
-// Split KV (num_segments S > 1) of decode-shaped launches: one launch. The
+// Split KV (num_segments S > 1) of decode-shaped launches given arrival
+// counters (ws_counters non-null): one launch. The
 // gridDim.z = S x value-chunk programs that share a (blockIdx.x, blockIdx.y)
 // own the same packed rows; together they are a group, with one arrival
 // counter, ws_counters[y * gridDim.x + x]. Either every program of a group
@@ -75,7 +77,8 @@
 //   (none of its tiles holds a key the rows see, e.g. past a short
 //   sequence's end) skips Q and the key loop and stores (-inf, 0) pairs
 //   only, then arrives like any other; the merge skips segments whose sum
-//   is 0 and never reads their columns.
+//   is 0 (their columns are loaded with the others, in bounds, and
+//   selected away, never multiplied).
 // * Arrival (`arrive`): every thread fences (__threadfence: its partial
 //   stores are visible device-wide before anything it does next), one block
 //   barrier, then thread 0 adds 1 to the counter (atomicAdd). The program
@@ -92,9 +95,10 @@
 //   allocated, and a CUDA graph replays the launch as it is. The two
 //   launches of a mixed batch run one after the other on one stream and
 //   may reuse the same counters.
-// Prefill-shaped launches split only under a forced segment count; they
-// store the same partials and `reduce_segments_*`, a second launch, merges
-// them (no merge code in the 255-register prefill instances).
+// A decode-shaped launch whose ws_counters is null skips the arrival and
+// leaves the merge to `reduce_segments_*`, as prefill-shaped launches (split
+// only under a forced segment count) always do (no merge code in the
+// 255-register prefill instances).
 //
 // Semantics follow the CPU reference (src/cpu/paged_attention.rs): causal and
 // window mask, then bidirectional prefix ranges; scale * q.k, softcap, -inf
@@ -1170,11 +1174,15 @@ struct AttnProgram {
   // (NaN-propagating), the total sum L, each segment's weight exp2(m_s - M)
   // (into the tile region while BM x S of them fit, else recomputed per
   // column chunk) and M and 1 / L (into red_m / red_l). A segment whose sum
-  // is 0 saw no key of the row: it is skipped (selected, not multiplied),
-  // and its columns are never read. One block barrier, then every column of
+  // is 0 saw no key of the row: it is skipped (its columns, which this
+  // launch never wrote, are loaded with the others and selected away, never
+  // multiplied). One block barrier, then every column of
   // each row (all value chunks), four per step, as the weighted sum of the
-  // segments' columns (reads in flight for several segments at a time),
+  // segments' columns (the reads of MERGE_BATCH segments in flight at once),
   // normalised, to the output.
+  // Segments whose partial columns one merge step loads at once.
+  static constexpr int MERGE_BATCH = 16;
+
   __device__ __forceinline__ void merge_segments() const {
     const AttnParams& p = this->p;
     const int tid = this->tid, lane = this->lane, warp = this->warp, hs = this->hs, q_start = this->q_start;
@@ -1228,23 +1236,38 @@ struct AttnProgram {
       const int64_t base = partial_base(ri);
       const float M = row_m[r];
       float o[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 8
-      for (int s = 0; s < S; ++s) {
-        const float w = wts_fit ? wts[r * S + s]
-                        : __ldcg(ml + 2 * (base + s) + 1) != 0.f ? exp2f(__ldcg(ml + 2 * (base + s)) - M)
-                                                                 : SKIP;
-        if (w == SKIP) continue;
-        const float* a = p.ws_acc + (base + s) * hs + col;
-        if (vec4) {
-          const float4 x = __ldcg(reinterpret_cast<const float4*>(a));
-          o[0] += x.x * w;
-          o[1] += x.y * w;
-          o[2] += x.z * w;
-          o[3] += x.w * w;
-        } else {
+      // MERGE_BATCH segments' loads in flight at once: each is issued
+      // whatever the segment's weight (every segment owns its slot of the
+      // workspace, so the address is in bounds) and a skipped segment's
+      // columns, never written by this launch, are selected away, not
+      // multiplied.
+      for (int s0 = 0; s0 < S; s0 += MERGE_BATCH) {
+        float4 x[MERGE_BATCH];
+        float w[MERGE_BATCH];
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (col + e < hs) o[e] += __ldcg(a + e) * w;
+        for (int u = 0; u < MERGE_BATCH; ++u) {
+          const int s = s0 + u;
+          w[u] = s >= S ? SKIP
+                 : wts_fit ? wts[r * S + s]
+                 : __ldcg(ml + 2 * (base + s) + 1) != 0.f ? exp2f(__ldcg(ml + 2 * (base + s)) - M)
+                                                          : SKIP;
+          const float* a = p.ws_acc + (base + min(s, S - 1)) * hs + col;
+          if (vec4) {
+            x[u] = __ldcg(reinterpret_cast<const float4*>(a));
+          } else {
+            x[u].x = __ldcg(a);
+            x[u].y = col + 1 < hs ? __ldcg(a + 1) : 0.f;
+            x[u].z = col + 2 < hs ? __ldcg(a + 2) : 0.f;
+            x[u].w = col + 3 < hs ? __ldcg(a + 3) : 0.f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < MERGE_BATCH; ++u) {
+          if (w[u] == SKIP) continue;
+          o[0] += x[u].x * w[u];
+          o[1] += x[u].y * w[u];
+          o[2] += x[u].z * w[u];
+          o[3] += x[u].w * w[u];
         }
       }
       const float inv = row_inv[r];
@@ -1286,71 +1309,109 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
     prog.merge_warps(acc, m_run, l_run);
     prog.write_output();
   }
-  if (split && prog.arrive()) prog.merge_segments();
+  // A null counter buffer leaves the merge to `reduce_segments_*`.
+  if (split && p.ws_counters != nullptr && prog.arrive()) prog.merge_segments();
 }
 
-// Split KV of prefill-shaped launches (only under a forced segment count):
-// their programs store partials (as decode-shaped ones do) and leave the
-// merge to `reduce_segments_*`, a second launch, so that the 255-register
-// prefill instances carry no merge code. Partial rows are tokens.
+// Split KV merged by a second launch: prefill-shaped launches (only under a
+// forced segment count) always, so that the 255-register prefill instances
+// carry no merge code, and decode-shaped ones launched without counters
+// (the plan's default, see `Merge` in src/cuda/plan.rs). Their
+// programs store the same partials, and `reduce_segments_*` merges them.
 
-// The partial row `row` (a token) of a prefill-shaped split launch; false
-// when the token's sequence belongs to the other launch of a mixed batch
-// (its new-token count is outside [q_len_min, q_len_max]).
-__device__ __forceinline__ bool reduce_token(const AttnParams& p, int row, int64_t& token) {
-  token = row;
-  // The token's sequence (binary search over the query spans).
-  int lo = 0, hi = p.num_seqs;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if ((int)p.cu_seqlens_q[mid] <= row) lo = mid + 1;
-    else hi = mid;
+// Program x of the reduce: the partial row `prow` it merges and its token;
+// false when there is none, or when the token's sequence belongs to the
+// other launch of a mixed batch (its new-token count is outside
+// [q_len_min, q_len_max]). Partial rows are tokens (grid x = num_tokens), or
+// with ws_seq_rows > 0, (sequence, row of its span) pairs (grid x =
+// num_seqs x ws_seq_rows), so a mixed batch's reduce runs no program per
+// prefill token.
+__device__ __forceinline__ bool reduce_token(const AttnParams& p, int row, int64_t& token, int64_t& prow) {
+  prow = row;
+  int seq, q_rel;
+  if (p.ws_seq_rows > 0) {
+    seq = row / p.ws_seq_rows;
+    q_rel = row % p.ws_seq_rows;
+    if (seq >= p.num_seqs) return false;
+  } else {
+    // The token's sequence (binary search over the query spans).
+    int lo = 0, hi = p.num_seqs;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if ((int)p.cu_seqlens_q[mid] <= row) lo = mid + 1;
+      else hi = mid;
+    }
+    seq = lo - 1;
+    if (seq < 0 || seq >= p.num_seqs) return false;
+    q_rel = row - (int)p.cu_seqlens_q[seq];
   }
-  const int seq = lo - 1;
-  if (seq < 0 || seq >= p.num_seqs) return false;
   const int q_len = (int)(p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]);
-  return q_len >= p.q_len_min && q_len <= p.q_len_max;
-}
-
-// The common maximum M and total sum L of the S segments at `base` and the
-// head's sink. A segment's sum is 0 when it saw no key of this row (it is
-// skipped: selected, not multiplied), else >= 1 or NaN. NaN sums and maxima
-// propagate through the NaN-aware max into every term.
-__device__ __forceinline__ void reduce_max_sum(const AttnParams& p, int64_t base, int head, float& M, float& L) {
-  const int S = p.num_segments;
-  M = neg_inf();
-  for (int s = 0; s < S; ++s) {
-    if (p.ws_ml[2 * (base + s) + 1] != 0.f) M = max_nan(M, p.ws_ml[2 * (base + s)]);
-  }
-  float s2 = neg_inf();
-  if (p.sinks != nullptr) {
-    s2 = p.sinks[head] * LOG2E;
-    M = max_nan(M, s2);
-  }
-  L = 0.f;
-  for (int s = 0; s < S; ++s) {
-    const float l = p.ws_ml[2 * (base + s) + 1];
-    if (l != 0.f) L += l * exp2f(p.ws_ml[2 * (base + s)] - M);
-  }
-  if (p.sinks != nullptr) L += sink_mass(s2, M);
+  token = (int64_t)p.cu_seqlens_q[seq] + q_rel;
+  return q_rel < q_len && q_len >= p.q_len_min && q_len <= p.q_len_max;
 }
 
 // Merges the split-KV partials of one (partial row, head) and the head's
-// sink. Grid (partial rows, num_heads), any block size.
+// sink. Grid (partial rows, num_heads) (see `reduce_token`), any block
+// size, S floats of dynamic shared memory. Warp 0: its lanes read the segments' (max, sum) pairs in
+// parallel, the common maximum M over the segments with a nonzero sum and
+// the sink (NaN-propagating), the total sum L, and each segment's weight
+// exp2(m_s - M) into shared memory (SKIP for a segment whose sum is 0: it saw
+// no key of this row). One block barrier; then each thread's columns as the
+// weighted sum of the segments' columns, the loads of REDUCE_BATCH segments
+// in flight at once (a skipped segment's columns, never written, are loaded
+// in bounds and selected away, never multiplied).
 template <typename T>
 __device__ __forceinline__ void reduce_body(const AttnParams& p) {
+  constexpr int REDUCE_BATCH = 8;
+  constexpr float SKIP = -1.f;
+  extern __shared__ float wts[];  // [S]
+  __shared__ float row_inv;
   const int row = blockIdx.x, head = blockIdx.y, S = p.num_segments, hs = p.head_size;
-  int64_t token;
-  if (!reduce_token(p, row, token)) return;
-  const int64_t base = ((int64_t)row * p.num_heads + head) * S;
-  float M, L;
-  reduce_max_sum(p, base, head, M, L);
-  const float inv = L == 0.f ? 0.f : 1.f / L;
+  int64_t token, prow;
+  if (!reduce_token(p, row, token, prow)) return;
+  const int64_t base = (prow * p.num_heads + head) * S;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float M = neg_inf();
+    for (int s = lane; s < S; s += 32) {
+      if (p.ws_ml[2 * (base + s) + 1] != 0.f) M = max_nan(M, p.ws_ml[2 * (base + s)]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = max_nan(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float s2 = neg_inf();
+    if (p.sinks != nullptr) {
+      s2 = p.sinks[head] * LOG2E;
+      M = max_nan(M, s2);
+    }
+    float L = 0.f;
+    for (int s = lane; s < S; s += 32) {
+      const float l = p.ws_ml[2 * (base + s) + 1];
+      const float w = l != 0.f ? exp2f(p.ws_ml[2 * (base + s)] - M) : SKIP;
+      if (l != 0.f) L += l * w;
+      wts[s] = w;
+    }
+    L = warp_sum(L);
+    if (p.sinks != nullptr) L += sink_mass(s2, M);
+    // L is 0 only for a row that saw no key and has no sink mass (every
+    // segment is skipped, so its columns are an exact 0); else >= 1 or NaN.
+    if (lane == 0) row_inv = L == 0.f ? 0.f : 1.f / L;
+  }
+  __syncthreads();
+  const float inv = row_inv;
   for (int d = threadIdx.x; d < hs; d += blockDim.x) {
     float o = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float l = p.ws_ml[2 * (base + s) + 1];
-      if (l != 0.f) o += p.ws_acc[(base + s) * hs + d] * exp2f(p.ws_ml[2 * (base + s)] - M);
+    for (int s0 = 0; s0 < S; s0 += REDUCE_BATCH) {
+      float x[REDUCE_BATCH], w[REDUCE_BATCH];
+#pragma unroll
+      for (int u = 0; u < REDUCE_BATCH; ++u) {
+        const int s = s0 + u;
+        w[u] = s < S ? wts[s] : SKIP;
+        x[u] = p.ws_acc[(base + min(s, S - 1)) * hs + d];
+      }
+#pragma unroll
+      for (int u = 0; u < REDUCE_BATCH; ++u) {
+        if (w[u] != SKIP) o += x[u] * w[u];
+      }
     }
     const float y = o * inv;
     const int64_t oi = ((int64_t)token * p.num_heads + head) * hs + d;

@@ -1,11 +1,12 @@
 //! The CUDA launch plan against the device: every launch's resident-program
 //! figure (what its split-KV waves and prefill tile are sized with) equals
 //! the driver's occupancy of the kernel it runs, at the threads and dynamic
-//! shared memory it launches with; and split-KV calls, whose last program
-//! of each group merges the partials in the attention launch itself, stay
-//! exact through a run of calls of different shapes that reuse the
-//! workspace and its arrival counters. GPU only: without the `cuda` feature
-//! this binary is empty.
+//! shared memory it launches with; and split-KV calls stay exact through a
+//! run of calls of different shapes that reuse the workspace (and, under
+//! `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch`, where the last program of
+//! each decode group merges the partials in the attention launch itself,
+//! its arrival counters; by default the reduce launch merges them). GPU
+//! only: without the `cuda` feature this binary is empty.
 #![cfg(feature = "cuda")]
 
 #[macro_use]
@@ -81,9 +82,9 @@ cuda_test! {
     /// device (so they share the workspace and its arrival counters, which
     /// every launch must leave at zero), each checked against the reference:
     /// mostly empty segments, sinks with an fp8 cache and fp8 output, a
-    /// mixed batch whose decode launch splits alone (Auto) or whose two
-    /// launches both split (the decode launch merging its own partials, the
-    /// prefill one through the reduce), split prefills, two value chunks
+    /// mixed batch whose decode launch splits alone (Auto, its partials
+    /// indexed by (sequence, row)) or whose two launches both split, split
+    /// prefills, two value chunks
     /// (head size 512), a sliding window; then the first call again.
     fn merged_split_calls_in_a_row(dev: &Device) -> Result<()> {
         let empty_segments = Case::new(&[(1, 40), (1, 3000), (1, 1)], (8, 2), 128, 16, DType::BF16)

@@ -11,13 +11,14 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result};
 
 use super::occupancy::{driver_resident, Residency};
-use super::plan::{plan, resident_programs, Instance, Plan};
+use super::plan::{plan, resident_programs, Instance, Merge, Plan};
 use super::tiles::{instance_name, smem_bytes, tile_shape, Kind, HEAD_SIZES};
 use super::{device_limits, function, ptx, ATTENTION_MODULE};
 use crate::params::{AttentionDims, PagedAttentionParams};
 
 /// How `forward` launches this call, in words: each part's tile shape and
-/// its split-KV segments (e.g. `decode split-kv(10)`, `decode + prefill`).
+/// its split-KV segments and who merges them (e.g. `decode split-kv(10)`,
+/// `decode split-kv(8) + reduce`, `decode + prefill`).
 pub(crate) fn describe(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
@@ -32,9 +33,10 @@ pub(crate) fn describe(
         .parts
         .iter()
         .flatten()
-        .map(|p| match p.segments {
-            1 => p.kind.name().to_string(),
-            s => format!("{} split-kv({s})", p.kind.name()),
+        .map(|p| match (p.segments, p.merge) {
+            (1, _) => p.kind.name().to_string(),
+            (s, Merge::InLaunch) => format!("{} split-kv({s})", p.kind.name()),
+            (s, Merge::Reduce) => format!("{} split-kv({s}) + reduce", p.kind.name()),
         })
         .collect();
     Ok(parts.join(" + "))

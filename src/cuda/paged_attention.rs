@@ -44,7 +44,7 @@ use candle_core::{
 
 use super::contract::AttnParams;
 use super::occupancy::Residency;
-use super::plan::{plan, Instance, Part, Plan};
+use super::plan::{plan, Instance, Merge, Part, Plan};
 use super::tiles::Kind;
 use super::workspace::{self, Workspace};
 use super::{
@@ -162,8 +162,8 @@ fn launch(
     };
     launch_parts(&kernels, &plan, &limits, dims, &mut p)?;
     for part in plan.parts.iter().flatten() {
-        if part.kind == Kind::Prefill && part.segments > 1 {
-            launch_reduce(&kernels, &plan, part, dims, &mut p)?;
+        if part.merge == Merge::Reduce && part.segments > 1 {
+            launch_reduce(&kernels, part, dims, &mut p)?;
         }
     }
     Ok(())
@@ -403,7 +403,7 @@ impl SplitLayout {
             .parts
             .iter()
             .flatten()
-            .filter(|p| p.kind == Kind::Decode && p.segments > 1)
+            .filter(|p| p.merge == Merge::InLaunch && p.segments > 1)
             .map(|p| p.grid_x * dims.num_kv_heads * p.head_chunks)
             .max()
             .unwrap_or(0);
@@ -451,6 +451,7 @@ fn ensure_workspace<'a>(
     }
     let mut guards = vec![guard];
     if let Some((counters, counters_guard)) = ws.counters_address(split.counters, stream) {
+        // `launch_parts` hands them to the parts that merge in the launch.
         p.ws_counters = counters;
         guards.push(counters_guard);
     } else if split.counters > 0 {
@@ -479,7 +480,14 @@ fn launch_parts(
     dims: &AttentionDims,
     p: &mut AttnParams,
 ) -> Result<()> {
+    let counters = p.ws_counters;
     for part in plan.parts.iter().flatten() {
+        // A null counter buffer: the reduce launch merges this part.
+        p.ws_counters = if part.merge == Merge::InLaunch {
+            counters
+        } else {
+            0
+        };
         p.group_entries = part.group_entries as i32;
         p.head_chunks = part.head_chunks as i32;
         p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
@@ -523,40 +531,41 @@ fn launch_parts(
     Ok(())
 }
 
-/// The split-KV reduce of a prefill-shaped part (`reduce_segments_{dtype}`;
-/// decode-shaped parts merge their own partials): one program per token and
-/// head; tokens of the other launch's sequences exit.
+/// The split-KV reduce of a part that does not merge its own partials
+/// (`reduce_segments_{dtype}`): one program per token and head; tokens of
+/// the other launch's sequences exit.
 fn launch_reduce(
     k: &Kernels<'_>,
-    plan: &Plan,
     part: &Part,
     dims: &AttentionDims,
     p: &mut AttnParams,
 ) -> Result<()> {
-    if plan.ws_seq_rows > 0 {
-        bail!("{OP}: a prefill-shaped launch split with (sequence, row) partials");
-    }
     p.num_segments = part.segments as i32;
     p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
     p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
     let name = format!("reduce_segments_{}", k.dtype_name);
-    let func = function(k.dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
-    let rows = u32::try_from(dims.num_tokens)
+    // One f32 weight per segment in dynamic shared memory.
+    let smem = part.segments * std::mem::size_of::<f32>();
+    let func = function(k.dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
+    // Partial rows: tokens, or (sequence, row) pairs for a mixed batch's
+    // decode-shaped part.
+    let partial_rows = match p.ws_seq_rows {
+        0 => dims.num_tokens,
+        rows => p.num_seqs as usize * rows as usize,
+    };
+    let rows = u32::try_from(partial_rows)
         .ok()
         .filter(|&x| x < i32::MAX as u32)
         .ok_or_else(|| {
-            candle_core::Error::Msg(format!(
-                "{OP}: {} partial rows is too many",
-                dims.num_tokens
-            ))
+            candle_core::Error::Msg(format!("{OP}: {partial_rows} partial rows is too many"))
         })?;
     let cfg = LaunchConfig {
         grid_dim: (rows, dims.num_heads as u32, 1),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem as u32,
     };
     // SAFETY: as for `launch_parts`; the reduce reads the partials the
-    // prefill-shaped launch just wrote on the same stream, in the workspace
+    // part's launch just wrote on the same stream, in the workspace
     // `ensure_workspace` sized for them.
     unsafe { launch_attention(k.stream, &func, cfg, p) }
 }

@@ -8,7 +8,7 @@
 //! the launch uses, see `occupancy`; in the host tests, the arithmetic
 //! estimate `resident_programs` over fake limits).
 //!
-//! Owns `Part`, `Plan`, `plan`, `resident_programs`, `choose_segments` and
+//! Owns `Merge`, `Part`, `Plan`, `plan`, `resident_programs`, `choose_segments` and
 //! `MAX_SEGMENTS`. Pure host-side arithmetic on the batch's host copies and
 //! the figures it is given: it allocates and launches nothing.
 //!
@@ -27,6 +27,24 @@ const OP: &str = "paged-attention";
 /// Most split-KV segments per (sequence, KV head).
 pub(crate) const MAX_SEGMENTS: usize = 256;
 
+/// Who merges the split-KV partials of a part with more than one segment.
+///
+/// Every part plans `Reduce`. On an H200 (docs/perf.md, version 5) the
+/// second launch was as fast or faster than the in-launch merge on every
+/// split decode case of the benchmark (b256 L1k 343.8 against 378.0 µs,
+/// b1 L8k 31.9 against 34.6 µs): the merge of a group runs in one program,
+/// behind every program's fence and arrival, where the reduce spreads it
+/// over one program per (row, head). `InLaunch` stays for decode-shaped
+/// parts under `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch`, which the GPU
+/// tests run too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Merge {
+    /// The last program of each group, through arrival counters: one launch.
+    InLaunch,
+    /// `reduce_segments_*`, a second launch.
+    Reduce,
+}
+
 /// One launch of the tensor-core kernel: a tile shape and the sequences
 /// (by new-token count) whose programs do work.
 #[derive(Clone, Copy, Debug)]
@@ -35,6 +53,8 @@ pub(super) struct Part {
     pub(super) tile: TileShape,
     /// Split-KV segments of this launch (1: it writes the output).
     pub(super) segments: usize,
+    /// Who merges the partials when `segments > 1`.
+    pub(super) merge: Merge,
     /// Programs of this launch's instance resident per SM, as the plan was
     /// given them (what its split-KV waves are sized with).
     pub(super) resident: usize,
@@ -100,6 +120,7 @@ fn part(
         kind,
         tile,
         segments: 1,
+        merge: Merge::Reduce,
         resident: 1,
         group_entries,
         head_chunks: group.div_ceil(group_entries),
@@ -169,14 +190,15 @@ pub(super) fn plan(
     for p in parts.iter_mut().flatten() {
         p.resident = resident(p.kind, &p.tile, head)?;
     }
-    // Split so that the decode-shaped programs, one per (sequence, KV head,
-    // chunk), fill whole waves of resident programs, with at least 128
-    // visible keys per segment.
+    // Split the decode-shaped programs, one per (sequence, KV head, chunk),
+    // into the segment count with the least modelled time on the resident
+    // programs (`choose_segments`).
+    let key_bytes = 2 * dims.head_size * params.key_cache.dtype().size_in_bytes();
     let auto_segments = |p: &Part, seqs: usize, max_keys: usize| {
         let active = seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
         let slots = p.resident * sms;
         let keys = params.sliding_window.map_or(max_keys, |w| w.min(max_keys));
-        choose_segments(active, slots, keys.div_ceil(128).clamp(1, 64))
+        choose_segments(active, slots, keys, key_bytes)
     };
     let mut ws_seq_rows = 0;
     match (params.kv_split, &mut parts) {
@@ -221,6 +243,13 @@ pub(super) fn plan(
         }
         (KvSplit::Auto | KvSplit::AutoUpTo(_), _) => {}
     }
+    if let Some(merge) = split_merge_override() {
+        for p in parts.iter_mut().flatten() {
+            if p.kind == Kind::Decode {
+                p.merge = merge;
+            }
+        }
+    }
     Ok(Plan {
         head,
         dv_chunks,
@@ -242,6 +271,23 @@ fn prefill_tile_override() -> Option<usize> {
     })
 }
 
+/// `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch|reduce` forces who merges the
+/// split-KV partials of decode-shaped launches, so that tests and the
+/// benchmark cover both. Read once per process.
+fn split_merge_override() -> Option<Merge> {
+    static MERGE: OnceLock<Option<Merge>> = OnceLock::new();
+    *MERGE.get_or_init(|| {
+        match std::env::var("CANDLE_PAGED_ATTENTION_SPLIT_MERGE")
+            .ok()?
+            .as_str()
+        {
+            "launch" => Some(Merge::InLaunch),
+            "reduce" => Some(Merge::Reduce),
+            _ => None,
+        }
+    })
+}
+
 /// The host-side estimate of the programs of one instance resident on one
 /// SM: the device's shared memory per SM over the instance's bytes plus the
 /// driver's reservation per program, and the register limit
@@ -260,24 +306,30 @@ pub(super) fn resident_programs(
     by_smem.min(tile.max_resident).max(1)
 }
 
-/// Segments per program for `active` programs on `slots` resident ones.
-/// Less than a wave: as many segments as still fit one wave. Otherwise the
-/// smallest count (up to `max_segments`) whose waves come within 3% of
-/// perfectly filled ones, else the count with the best-filled waves.
-fn choose_segments(active: usize, slots: usize, max_segments: usize) -> usize {
+/// Bytes of K/V reading that one split-KV segment costs beyond its own keys:
+/// a program's start (sequence lengths, block table, the first tile's
+/// latency), its partial stores and its share of the reduce. 64 KiB is 128
+/// keys of a head-128 bf16 cache. Fitted on an H200 (docs/perf.md, version
+/// 5): at 1024 keys, 256 sequences ran 293.0 µs unsplit against 342.7 µs in
+/// 4 segments; at 8192 keys, 64 sequences ran 556.9 µs in 3 segments
+/// against 727.3 µs unsplit; the head-64 and head-256 cases followed the
+/// same figure in bytes, not in keys.
+const SEGMENT_OVERHEAD_BYTES: usize = 64 << 10;
+
+/// Segments per program for `active` programs that see up to `keys` keys of
+/// `key_bytes` bytes (K and V) each, on `slots` resident programs: the
+/// count (1 to one per 128 keys, at most 64) that minimises the modelled
+/// time, waves x (bytes per segment + `SEGMENT_OVERHEAD_BYTES`), where
+/// waves = ceil(active x segments / slots); the fewest segments on a tie.
+fn choose_segments(active: usize, slots: usize, keys: usize, key_bytes: usize) -> usize {
     let (active, slots) = (active.max(1), slots.max(1));
-    if active <= slots {
-        return (slots / active).clamp(1, max_segments.max(1));
-    }
-    let waves = |s: usize| (active * s).div_ceil(slots) as f64 / s as f64;
-    let ideal = active as f64 / slots as f64;
+    let max_segments = keys.div_ceil(128).clamp(1, 64);
+    let cost = |s: usize| {
+        (active * s).div_ceil(slots) * (keys.div_ceil(s) * key_bytes + SEGMENT_OVERHEAD_BYTES)
+    };
     (1..=max_segments)
-        .find(|&s| waves(s) <= ideal * 1.03)
-        .unwrap_or_else(|| {
-            (1..=max_segments)
-                .min_by(|&a, &b| waves(a).total_cmp(&waves(b)))
-                .unwrap_or(1)
-        })
+        .min_by_key(|&s| (cost(s), s))
+        .unwrap_or(1)
 }
 
 #[cfg(test)]
@@ -379,15 +431,36 @@ mod tests {
         let given = plan(&params, &dims, &HOPPER, &|_, _, _| Ok(1)).expect("plan");
         let p = given.parts[0].expect("one part");
         assert_eq!((p.resident, p.segments), (1, 132 / 32));
-        // 64 sequences: 512 programs on 396 (Hopper) or 216 (A100) slots;
-        // the waves come within 3% of full ones at 10 and 5 segments.
+        // 64 sequences: 512 programs on 396 (Hopper) or 216 (A100) slots.
+        // Hopper: 3 segments, 4 waves of 2731 + 128 keys (11,436), against
+        // 2 waves of 8192 + 128 unsplit (16,640). A100: 2 segments, 5 waves
+        // of 4096 + 128 (21,120), against 8 waves of 2731 + 128 (22,872).
         let (q, params) = call(128, false, &[(1, 8192); 64]);
         let p = plan_on(&q, &params, &HOPPER).parts[0].expect("one part");
-        assert_eq!(p.segments, choose_segments(512, 396, 64));
-        assert_eq!(p.segments, 10);
+        assert_eq!(p.segments, choose_segments(512, 396, 8192, 512));
+        assert_eq!(p.segments, 3);
         let p = plan_on(&q, &params, &A100).parts[0].expect("one part");
-        assert_eq!(p.segments, choose_segments(512, 216, 64));
-        assert_eq!(p.segments, 5);
+        assert_eq!(p.segments, choose_segments(512, 216, 8192, 512));
+        assert_eq!(p.segments, 2);
+    }
+
+    #[test]
+    fn split_parts_merge_through_the_reduce_launch() {
+        if std::env::var_os("CANDLE_PAGED_ATTENTION_SPLIT_MERGE").is_some() {
+            eprintln!("skipped: CANDLE_PAGED_ATTENTION_SPLIT_MERGE overrides the default");
+            return;
+        }
+        // A split decode, and a mixed batch whose decode part splits.
+        for seqs in [&[(1, 8192); 4][..], &[(1, 8192), (1, 4096), (300, 300)][..]] {
+            let (q, params) = call(128, false, seqs);
+            let plan = plan_on(&q, &params, &HOPPER);
+            for p in plan.parts.iter().flatten() {
+                assert_eq!(p.merge, Merge::Reduce, "{:?}", p.kind);
+            }
+            let d = plan.parts[0].expect("decode part");
+            assert_eq!(d.kind, Kind::Decode);
+            assert!(d.segments > 1, "{}", d.segments);
+        }
     }
 
     #[test]
@@ -410,16 +483,34 @@ mod tests {
     }
 
     #[test]
-    fn segments_fill_waves() {
-        // One long decode: split until the GPU is full.
-        assert_eq!(choose_segments(8, 396, 64), 49);
-        // Short context: capped by the keys.
-        assert_eq!(choose_segments(8, 396, 8), 8);
-        // 512 programs on 396 slots: a few segments even out the waves.
-        let s = choose_segments(512, 396, 64);
-        assert!((2..=16).contains(&s), "{s}");
+    fn segments_follow_the_cost_model() {
+        // Head 128, bf16: 512 bytes per key, the overhead is 128 keys.
+        let h128 = 512;
+        // One long decode: split until the GPU is full (49 x 8 = 392 of 396).
+        assert_eq!(choose_segments(8, 396, 32768, h128), 49);
+        // Short context: capped at one segment per 128 keys.
+        assert_eq!(choose_segments(8, 396, 1024, h128), 8);
+        assert_eq!(choose_segments(8, 396, 100, h128), 1);
+        // 16 x 8 programs at 1024 keys: 3 segments still fit one wave.
+        assert_eq!(choose_segments(128, 396, 1024, h128), 3);
+        // 256 x 8 programs at 1024 keys: 6 waves of 1024 + 128 keys
+        // (6,912) beat 11 waves of 512 + 128 (7,040): no split.
+        assert_eq!(choose_segments(2048, 396, 1024, h128), 1);
+        // 256 x 8 programs at 8192 keys: 4 segments (21 waves of 2048 + 128,
+        // 45,696) beat the unsplit 6 waves of 8192 + 128 (49,920).
+        assert_eq!(choose_segments(2048, 396, 8192, h128), 4);
         // Already many full waves: no split.
-        assert_eq!(choose_segments(396 * 8, 396, 64), 1);
+        assert_eq!(choose_segments(396 * 8, 396, 8192, h128), 1);
+        // No keys: one segment.
+        assert_eq!(choose_segments(8, 396, 0, h128), 1);
+        // Head 64 (256 bytes per key, the overhead is 256 keys), 64 x 3
+        // programs at 2048 keys on 528 slots: 2 segments in one wave
+        // (1024 + 256) beat 5 in two waves (2 x (410 + 256)).
+        assert_eq!(choose_segments(192, 528, 2048, 256), 2);
+        // Head 256 (1 KiB per key, the overhead is 64 keys), 64 x 4
+        // programs on 132 slots, a 1024-key window: no split (2 waves of
+        // 1024 + 64 against 4 of 512 + 64).
+        assert_eq!(choose_segments(256, 132, 1024, 1024), 1);
     }
 
     #[test]

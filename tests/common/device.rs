@@ -13,6 +13,9 @@
 //! * optionally `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64` or `128`, which
 //!   forces the prefill tile's row count: run the suite once with each to
 //!   cover both prefill instances.
+//! * optionally `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch`, which has split
+//!   decode launches merge their own partials instead of the reduce launch
+//!   doing it: run the split tests once with it to cover both merges.
 
 use anyhow::{bail, Result};
 use candle_core::Device;
