@@ -5,10 +5,12 @@
 //! f16/bf16 queries run the tensor-core kernel
 //! (`unified_attention_h{HEAD}_{kind}_{dtype}[_fp8]`), either writing the
 //! output directly (one segment) or writing split-KV partials into the
-//! workspace. A decode-shaped launch merges its own partials (the last
-//! program of each split group, in the same launch); a prefill-shaped one,
-//! which splits only under `KvSplit::Segments`, leaves them to
-//! `reduce_segments_{dtype}`. f32 queries run
+//! workspace, which `reduce_segments_{dtype}` merges (one program per
+//! partial row and head). Under `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch`
+//! a decode-shaped launch merges its own partials instead (the last program
+//! of each split group, through arrival counters; see `plan::Merge`).
+//! Prefill-shaped launches split only under `KvSplit::Segments`. f32
+//! queries run
 //! `unified_attention_scalar_f32[_fp8]`.
 //!
 //! * Tile shapes: sequences whose new tokens (times the packed heads of a KV
@@ -16,9 +18,10 @@
 //!   ones run prefill-shaped programs of 128 rows (64 when that launch has
 //!   less than a wave of programs, and for head sizes above 128). A batch
 //!   that mixes both is two launches.
-//! * Split-KV (`KvSplit::Auto`): a pure decode batch splits its keys so the
-//!   programs fill whole waves; in a mixed batch only the decode-shaped
-//!   launch splits, its partials indexed by (sequence, row).
+//! * Split-KV (`KvSplit::Auto`): a pure decode batch splits its keys into
+//!   the segment count with the least modelled time on the resident
+//!   programs (`plan::choose_segments`); in a mixed batch only the
+//!   decode-shaped launch splits, its partials indexed by (sequence, row).
 //!
 //! Everything is decided from the batch's host copies: a forward makes no
 //! device-to-host copy and, once the workspace is large enough, no
@@ -27,8 +30,8 @@
 //!
 //! `launch` runs named steps: `gather_params` (device addresses, their
 //! guards and the parameter block), then `launch_scalar` for f32, or
-//! `ensure_workspace`, `launch_parts` and `launch_reduce` (a split prefill
-//! part only). Every launch
+//! `ensure_workspace`, `launch_parts` and `launch_reduce` (each split part
+//! that does not merge in its own launch). Every launch
 //! goes through `launch_attention` (grid check, then launch).
 //!
 //! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
@@ -107,8 +110,8 @@ pub(crate) fn forward(
 
 /// Enqueues the kernels of one forward on the query's stream, writing `out`:
 /// gathers the parameter block, then runs the f32 scalar kernel, or the
-/// tensor-core parts of the plan (a split decode-shaped part merges its own
-/// partials), then the reduce of a split prefill-shaped part.
+/// tensor-core parts of the plan, then the reduce of each split part that
+/// does not merge its own partials.
 fn launch(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
@@ -416,7 +419,7 @@ impl SplitLayout {
 }
 
 /// Grows the device's workspace for this call's split-KV partials and
-/// arrival counters (when a decode-shaped part splits) and points
+/// arrival counters (when a part merges in its own launch) and points
 /// `p.ws_acc`/`p.ws_ml`/`p.ws_counters` into it (the partials poisoned when
 /// poisoning is on; the counters never: they are zero between launches). Returns the buffers' guards, to drop after
 /// the launches; empty when nothing splits.
