@@ -6,12 +6,13 @@
 //! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
+use super::buffers::{alloc_poisoned, float_name};
 use super::layer_shapes::{ACT_THREADS, NORM_THREADS};
-use super::{device_address, fill_nan, function, poison_outputs, ptx};
+use super::{device_address, function, ptx};
 use crate::params::GatedActivation;
 
 const MODULE: &str = "candle_paged_attention.layer_ops";
@@ -29,11 +30,8 @@ pub(crate) struct NormShape {
 }
 
 fn dtype_name(op: &str, dtype: DType) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        dt => bail!("{op}: expected f32, f16 or bf16, got {dt:?}"),
+    float_name(dtype).ok_or_else(|| {
+        candle_core::Error::Msg(format!("{op}: expected f32, f16 or bf16, got {dtype:?}"))
     })
 }
 
@@ -42,31 +40,6 @@ fn contiguous(op: &str, name: &str, layout: &Layout) -> Result<()> {
         bail!("{op}: {name} must be contiguous");
     }
     Ok(())
-}
-
-/// An uninitialised output of `n` (at least 1) elements of `dtype`, filled
-/// with NaN when poisoning is on.
-fn alloc_output(op: &str, dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
-    fn alloc<T: CudaDType + DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
-        // SAFETY: every element is written by the kernel before anything
-        // reads it (poisoning, when on, fills it with NaN first).
-        let slice = unsafe { dev.alloc::<T>(n)? };
-        Ok(CudaStorage::wrap_cuda_slice(slice, dev.clone()))
-    }
-    let n = n.max(1);
-    let out = match dtype {
-        DType::F32 => alloc::<f32>(dev, n)?,
-        DType::F16 => alloc::<half::f16>(dev, n)?,
-        DType::BF16 => alloc::<half::bf16>(dev, n)?,
-        dt => bail!("{op}: cannot allocate a {dt:?} output"),
-    };
-    if poison_outputs() {
-        let stream = dev.cuda_stream();
-        let layout = Layout::contiguous(n);
-        let (addr, _sync) = device_address(&out, &layout, &stream);
-        fill_nan(addr, n * dtype.size_in_bytes(), &stream)?;
-    }
-    Ok(out)
 }
 
 fn grid(op: &str, programs: usize) -> Result<u32> {
@@ -93,7 +66,7 @@ pub(crate) fn norm(
     let dev = x.0.device().clone();
     let stream = dev.cuda_stream();
     let outputs = if delta.is_some() { 2 } else { 1 };
-    let out = alloc_output(op, &dev, dtype, outputs * n)?;
+    let out = alloc_poisoned(op, &dev, dtype, outputs * n)?;
     if n == 0 {
         return Ok(out);
     }
@@ -181,7 +154,7 @@ pub(crate) fn gated(
     let dev = gate_up.0.device().clone();
     let stream = dev.cuda_stream();
     let n = rows * inter;
-    let out = alloc_output(op, &dev, out_dtype, n)?;
+    let out = alloc_poisoned(op, &dev, out_dtype, n)?;
     if n == 0 {
         return Ok(out);
     }

@@ -8,6 +8,7 @@
 //! Imports `params` (and `batch` through it); must not import `ops` (which
 //! calls it) or `cpu`.
 
+pub(crate) mod buffers;
 pub(crate) mod contract;
 pub(crate) mod describe;
 pub(crate) mod layer_ops;

@@ -38,13 +38,14 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaFunction, CudaStream, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::WrapErr;
 use candle_core::{
     bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, StorageRef, Tensor,
 };
 
+use super::buffers::{alloc_uninit, float_name};
 use super::contract::AttnParams;
 use super::occupancy::Residency;
 use super::plan::{plan, Instance, Merge, Part, Plan};
@@ -91,17 +92,14 @@ pub(crate) fn forward(
         bail!("{OP}: q must be contiguous");
     }
     let n_out = dims.num_tokens * dims.num_heads * dims.head_size;
-    // At least one element: a zero-byte allocation is not portable.
-    let n_alloc = n_out.max(1);
-
-    // Output, in the query dtype or fp8.
-    let out = match (out_fp8, q_dtype) {
-        (true, _) => alloc_output::<float8::F8E4M3>(&dev, n_alloc)?,
-        (false, DType::BF16) => alloc_output::<half::bf16>(&dev, n_alloc)?,
-        (false, DType::F16) => alloc_output::<half::f16>(&dev, n_alloc)?,
-        (false, DType::F32) => alloc_output::<f32>(&dev, n_alloc)?,
-        (false, dt) => bail!("{OP}: q must be f32, f16 or bf16, got {dt:?}"),
+    // Output, in the query dtype or fp8 (the launches poison it first when
+    // poisoning is on).
+    let out_dtype = match (out_fp8, float_name(q_dtype)) {
+        (true, _) => DType::F8E4M3,
+        (false, Some(_)) => q_dtype,
+        (false, None) => bail!("{OP}: q must be f32, f16 or bf16, got {q_dtype:?}"),
     };
+    let out = alloc_uninit(OP, &dev, out_dtype, n_out)?;
     if n_out > 0 && host.num_seqs() > 0 {
         launch(params, dims, q, q_layout, &out, n_out)?;
     }
@@ -571,14 +569,6 @@ fn launch_reduce(
     // part's launch just wrote on the same stream, in the workspace
     // `ensure_workspace` sized for them.
     unsafe { launch_attention(k.stream, &func, cfg, p) }
-}
-
-/// An uninitialised output buffer of `n` elements.
-fn alloc_output<T: CudaDType + DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
-    // SAFETY: the kernels write every element of the output before anything
-    // reads it (poisoning, when on, fills it with NaN first).
-    let slice = unsafe { dev.alloc::<T>(n)? };
-    Ok(CudaStorage::wrap_cuda_slice(slice, dev.clone()))
 }
 
 /// The one launch sequence of the attention kernels: checks the grid, then

@@ -10,6 +10,7 @@ use candle_core::cuda_backend::cudarc::driver::{DevicePtrMut, LaunchConfig, Push
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
+use super::buffers::float_name;
 use super::{device_address, function, ptx, CACHE_MODULE};
 use crate::params::CacheWrite;
 
@@ -49,11 +50,11 @@ pub(crate) fn forward(
     if num_tokens == 0 {
         return Ok(());
     }
-    let src_name = match new.dtype() {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        dt => bail!("{OP}: values must be f32, f16 or bf16, got {dt:?}"),
+    let Some(src_name) = float_name(new.dtype()) else {
+        bail!(
+            "{OP}: values must be f32, f16 or bf16, got {:?}",
+            new.dtype()
+        );
     };
     let fp8 = match cache.dtype() {
         DType::F8E4M3 => true,

@@ -11,6 +11,7 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage};
 
+use super::buffers::{alloc_uninit, float_name};
 use super::{cuda_storage, device_address, fill_nan, function, poison_outputs, ptx, CACHE_MODULE};
 use crate::params::KvScales;
 
@@ -28,11 +29,8 @@ pub(crate) struct Rotation {
 }
 
 fn name_of(op: &str, dtype: DType) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        dt => bail!("{op}: expected f32, f16 or bf16, got {dt:?}"),
+    float_name(dtype).ok_or_else(|| {
+        candle_core::Error::Msg(format!("{op}: expected f32, f16 or bf16, got {dtype:?}"))
     })
 }
 
@@ -92,22 +90,8 @@ pub(crate) fn forward(
     }
     let dev = qkv.0.device().clone();
     let q_elems = n * rot.heads * d;
-    // SAFETY: every element is written by the kernel (one program per
-    // token writes all its query elements) before anything reads it.
-    let q = match cos.0.dtype() {
-        DType::F32 => {
-            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(q_elems.max(1))? }, dev.clone())
-        }
-        DType::F16 => CudaStorage::wrap_cuda_slice(
-            unsafe { dev.alloc::<half::f16>(q_elems.max(1))? },
-            dev.clone(),
-        ),
-        DType::BF16 => CudaStorage::wrap_cuda_slice(
-            unsafe { dev.alloc::<half::bf16>(q_elems.max(1))? },
-            dev.clone(),
-        ),
-        dt => bail!("{op}: unsupported dtype {dt:?}"),
-    };
+    // The kernel (one program per token) writes every query element.
+    let q = alloc_uninit(op, &dev, cos.0.dtype(), q_elems)?;
     if n == 0 {
         return Ok(q);
     }
