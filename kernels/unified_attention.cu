@@ -1168,9 +1168,6 @@ struct AttnProgram {
     return true;
   }
 
-  // Segments whose partial columns one merge step loads at once.
-  static constexpr int MERGE_BATCH = 16;
-
   // The last program of a split group. Per valid row, one warp: its lanes
   // read the segments' (max, sum) pairs (a lane per segment), the common
   // maximum M over the segments with a nonzero sum and the head's sink
@@ -1183,6 +1180,9 @@ struct AttnProgram {
   // each row (all value chunks), four per step, as the weighted sum of the
   // segments' columns (the reads of MERGE_BATCH segments in flight at once),
   // normalised, to the output.
+  // Segments whose partial columns one merge step loads at once.
+  static constexpr int MERGE_BATCH = 16;
+
   __device__ __forceinline__ void merge_segments() const {
     const AttnParams& p = this->p;
     const int tid = this->tid, lane = this->lane, warp = this->warp, hs = this->hs, q_start = this->q_start;
