@@ -9,13 +9,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_paged_attention::{add_rms_norm, gated_activation, rms_norm, GatedActivation};
 use rstest::rstest;
 
-fn devices() -> Vec<Device> {
-    vec![
-        Device::Cpu,
-        #[cfg(feature = "cuda")]
-        Device::new_cuda(0).expect("a CUDA device"),
-    ]
-}
+#[macro_use]
+mod common;
+use common::device::devices;
 
 /// Values of `t` as f64, row-major.
 fn values(t: &Tensor) -> Result<Vec<f64>> {
@@ -62,7 +58,7 @@ fn rms_norm_matches_reference(
     #[values(0.0, 1.0)] offset: f32,
 ) -> Result<()> {
     let (rows, cols) = shape;
-    for dev in devices() {
+    for dev in devices()? {
         let x = (Tensor::randn(0f32, 2., (rows, cols), &dev)? + 0.5)?.to_dtype(dtype)?;
         let w = Tensor::randn(0f32, 1., cols, &dev)?.to_dtype(dtype)?;
         let y = rms_norm(&x, &w, 1e-5, offset)?;
@@ -93,7 +89,7 @@ fn add_rms_norm_matches_reference(
     #[values((1, 64), (7, 576), (3, 5001))] shape: (usize, usize),
 ) -> Result<()> {
     let (rows, cols) = shape;
-    for dev in devices() {
+    for dev in devices()? {
         let x = Tensor::randn(0f32, 1., (rows, cols), &dev)?.to_dtype(dtype)?;
         let dd = if f32_delta { DType::F32 } else { dtype };
         let delta = Tensor::randn(0f32, 1., (rows, cols), &dev)?.to_dtype(dd)?;
@@ -153,7 +149,7 @@ fn gated_activation_matches_reference(
 ) -> Result<()> {
     let (rows, inter) = shape;
     let (din, dout) = dtypes;
-    for dev in devices() {
+    for dev in devices()? {
         let gu = (Tensor::randn(0f32, 3., (rows, 2 * inter), &dev)?).to_dtype(din)?;
         let y = gated_activation(&gu, act, dout)?;
         assert_eq!((y.dims(), y.dtype()), (&[rows, inter][..], dout));
@@ -178,7 +174,7 @@ fn gated_activation_matches_reference(
 
 #[test]
 fn nan_propagates_and_stays_in_its_row() -> Result<()> {
-    for dev in devices() {
+    for dev in devices()? {
         let mut x = vec![1f32; 3 * 8];
         x[9] = f32::NAN;
         let x = Tensor::from_vec(x, (3, 8), &dev)?;

@@ -12,13 +12,9 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rstest::rstest;
 
-fn devices() -> Vec<Device> {
-    vec![
-        Device::Cpu,
-        #[cfg(feature = "cuda")]
-        Device::new_cuda(0).expect("a CUDA device"),
-    ]
-}
+#[macro_use]
+mod common;
+use common::device::devices;
 
 fn values(t: &Tensor) -> Result<Vec<f64>> {
     if t.dtype() == DType::F8E4M3 {
@@ -84,7 +80,7 @@ fn matches_reference(
         .map(|t| if t % 4 == 1 { -1 } else { all[t] })
         .collect();
     let scales = KvScales::new(0.05, 0.03);
-    for dev in devices() {
+    for dev in devices()? {
         let input_dtype = if f32_input { DType::F32 } else { dtype };
         let qkv = Tensor::randn(0f32, 1., (n, (h + 2 * kvh) * d), &dev)?.to_dtype(input_dtype)?;
         let positions: Vec<f32> = (0..n).map(|t| (t * 7 % 50) as f32).collect();

@@ -63,3 +63,14 @@ pub fn cuda_device() -> Result<Option<Device>> {
         ),
     }
 }
+
+/// The devices of a test that loops over them itself: the CPU and, with the
+/// `cuda` feature, CUDA device 0 unless [`cuda_device`] says to skip it
+/// (an error when the environment is not what a GPU run needs).
+pub fn devices() -> Result<Vec<Device>> {
+    #[cfg(feature = "cuda")]
+    let gpu = cuda_device()?;
+    #[cfg(not(feature = "cuda"))]
+    let gpu = None;
+    Ok(std::iter::once(Device::Cpu).chain(gpu).collect())
+}
