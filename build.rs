@@ -6,6 +6,12 @@
 //!   when unset, the first visible GPU's, else 80 (PTX that every sm_80+ GPU
 //!   can load).
 //! * `CUDA_NVCC_FLAGS` - extra nvcc arguments, split on whitespace.
+//!
+//! Whatever the target, `kernels/unified_attention.cu` is also compiled for
+//! `compute_90a` with `CPA_SM90A` defined (the warpgroup prefill instances,
+//! which only Hopper runs) into `$OUT_DIR/ptx_sm90a.rs`, so one build serves
+//! every GPU and the library picks the module from the device's compute
+//! capability.
 
 fn main() -> anyhow::Result<()> {
     println!("cargo:rerun-if-changed=build.rs");
@@ -33,7 +39,7 @@ mod cuda {
     use std::path::PathBuf;
 
     use super::layer_shapes::{ACT_THREADS, NORM_THREADS};
-    use super::tiles::{smem_bytes, tile_shape, Kind, HEAD_SIZES};
+    use super::tiles::{smem_bytes, tile_shape, wgmma_tile, Kind, HEAD_SIZES, WGMMA_HEAD_SIZES};
 
     /// `$OUT_DIR/kernel_contract.cuh`: for every tensor-core instance, the
     /// threads and dynamic shared-memory bytes the launches plan with, as
@@ -69,6 +75,19 @@ mod cuda {
                         smem_bytes(&tile, head, fp8)
                     )?;
                 }
+            }
+        }
+        for head in WGMMA_HEAD_SIZES {
+            for small in [false, true] {
+                let tile = wgmma_tile(head, small)
+                    .ok_or_else(|| anyhow::anyhow!("no warpgroup tile for head size {head}"))?;
+                let name = format!("cpa_plan_h{head}_{}{}", Kind::Prefill.name(), tile.suffix);
+                writeln!(out, "constexpr int {name}_threads = {};", tile.threads())?;
+                writeln!(
+                    out,
+                    "constexpr int {name}_smem = {};",
+                    smem_bytes(&tile, head, false)
+                )?;
             }
         }
         writeln!(out, "constexpr int cpa_norm_threads = {NORM_THREADS};")?;
@@ -119,6 +138,53 @@ mod cuda {
             .map_err(|e| anyhow::anyhow!("compiling kernels/*.cu for sm_{arch}: {e}"))?
             .write(out_dir.join("ptx.rs"))
             .map_err(|e| anyhow::anyhow!("writing ptx.rs: {e}"))?;
+        build_sm90a(&out_dir, &include)
+    }
+
+    /// nvcc: `$CUDA_HOME/bin/nvcc` (or `$CUDA_PATH`'s), else the one on PATH.
+    fn nvcc() -> PathBuf {
+        ["CUDA_HOME", "CUDA_PATH"]
+            .iter()
+            .filter_map(|v| std::env::var_os(v))
+            .map(|root| PathBuf::from(root).join("bin").join("nvcc"))
+            .find(|p| p.is_file())
+            .unwrap_or_else(|| PathBuf::from("nvcc"))
+    }
+
+    /// The warpgroup instances: kernels/unified_attention.cu for
+    /// `compute_90a` with `CPA_SM90A`, to `$OUT_DIR/unified_attention_sm90a.ptx`,
+    /// embedded by `$OUT_DIR/ptx_sm90a.rs` as `UNIFIED_ATTENTION_SM90A`.
+    fn build_sm90a(out_dir: &std::path::Path, include: &str) -> anyhow::Result<()> {
+        println!("cargo:rerun-if-env-changed=CUDA_HOME");
+        println!("cargo:rerun-if-env-changed=CUDA_PATH");
+        let ptx = out_dir.join("unified_attention_sm90a.ptx");
+        let status = std::process::Command::new(nvcc())
+            .args([
+                "--ptx",
+                "-arch=compute_90a",
+                "-DCPA_SM90A",
+                "--expt-relaxed-constexpr",
+                "-std=c++17",
+                "-O3",
+                include,
+                "-Ikernels",
+                "kernels/unified_attention.cu",
+                "-o",
+            ])
+            .arg(&ptx)
+            .status()
+            .map_err(|e| anyhow::anyhow!("running nvcc for the sm_90a kernels: {e}"))?;
+        anyhow::ensure!(
+            status.success(),
+            "compiling kernels/unified_attention.cu for compute_90a failed ({status})"
+        );
+        std::fs::write(
+            out_dir.join("ptx_sm90a.rs"),
+            format!(
+                "pub const UNIFIED_ATTENTION_SM90A: &str = include_str!({:?});\n",
+                ptx.display().to_string()
+            ),
+        )?;
         Ok(())
     }
 }

@@ -13,7 +13,7 @@
 mod common;
 
 use anyhow::{ensure, Result};
-use candle_core::DType;
+use candle_core::{DType, Device};
 use candle_paged_attention::{cuda_launch_residency, KvSplit};
 use common::case::Case;
 use common::check::check_case;
@@ -61,6 +61,44 @@ cuda_test! {
                     "{label} h{head_size} {dtype:?} fp8={fp8}: plan and driver disagree: {l:?}"
                 );
             }
+        }
+        Ok(())
+    }
+}
+
+cuda_test! {
+    /// On a device of compute capability 9.0, long 16-bit prefills of head
+    /// size 64, 128 and 256 take the warpgroup instance (unless
+    /// `CANDLE_PAGED_ATTENTION_WGMMA=0` or `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64`);
+    /// fp8 caches, other head sizes and other devices the mma.sync ones.
+    fn hopper_prefills_take_the_warpgroup_instance(dev: &Device) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+        let Device::Cuda(cuda) = dev else {
+            anyhow::bail!("a cuda device expected, got {:?}", dev.location());
+        };
+        let stream = cuda.cuda_stream();
+        let ctx = stream.context();
+        let cc = (
+            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
+        let env = |v: &str| std::env::var(v).unwrap_or_default();
+        let on = cc == (9, 0)
+            && env("CANDLE_PAGED_ATTENTION_WGMMA") != "0"
+            && env("CANDLE_PAGED_ATTENTION_PREFILL_ROWS") != "64";
+        for (head_size, fp8, has_instance) in [
+            (128, false, true),
+            (64, false, true),
+            (128, true, false),
+            (256, false, true),
+            (32, false, false),
+        ] {
+            let case = Case::new(&[(1024, 1024); 4], (16, 4), head_size, 16, DType::BF16)
+                .with_fp8_cache(fp8);
+            let inputs = case.build(dev)?;
+            let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &case.params(&inputs))?;
+            let expected = if on && has_instance { "prefill-wgmma" } else { "prefill" };
+            ensure!(plan == expected, "h{head_size} fp8={fp8} on sm_{}{}: {plan}", cc.0, cc.1);
         }
         Ok(())
     }

@@ -12,13 +12,16 @@ use candle_core::{CudaDevice, DType, Result};
 
 use super::occupancy::{driver_resident, Residency};
 use super::plan::{plan, resident_programs, Instance, Merge, Plan};
-use super::tiles::{instance_name, smem_bytes, tile_shape, Kind, HEAD_SIZES};
-use super::{device_limits, function, ptx, ATTENTION_MODULE};
+use super::tiles::{
+    instance_name, smem_bytes, tile_shape, wgmma_tile, Kind, TileShape, HEAD_SIZES,
+};
+use super::{attention_function, device_limits};
 use crate::params::{AttentionDims, PagedAttentionParams};
 
-/// How `forward` launches this call, in words: each part's tile shape and
-/// its split-KV segments and who merges them (e.g. `decode split-kv(10)`,
-/// `decode split-kv(8) + reduce`, `decode + prefill`).
+/// How `forward` launches this call, in words: each part's tile shape
+/// (`prefill-wgmma` for the warpgroup instance) and its split-KV segments
+/// and who merges them (e.g. `decode split-kv(10)`, `decode split-kv(8) +
+/// reduce`, `decode + prefill`).
 pub(crate) fn describe(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
@@ -33,10 +36,17 @@ pub(crate) fn describe(
         .parts
         .iter()
         .flatten()
-        .map(|p| match (p.segments, p.merge) {
-            (1, _) => p.kind.name().to_string(),
-            (s, Merge::InLaunch) => format!("{} split-kv({s})", p.kind.name()),
-            (s, Merge::Reduce) => format!("{} split-kv({s}) + reduce", p.kind.name()),
+        .map(|p| {
+            let shape = if p.tile.wgmma {
+                format!("{}-wgmma", p.kind.name())
+            } else {
+                p.kind.name().to_string()
+            };
+            match (p.segments, p.merge) {
+                (1, _) => shape,
+                (s, Merge::InLaunch) => format!("{shape} split-kv({s})"),
+                (s, Merge::Reduce) => format!("{shape} split-kv({s}) + reduce"),
+            }
         })
         .collect();
     Ok(parts.join(" + "))
@@ -124,9 +134,10 @@ pub(crate) fn launch_residency(
                 name,
                 threads,
                 smem,
+                wgmma,
             } = plan.instance(part, dtype_name, fp8);
             Ok(LaunchResidency {
-                driver_resident: driver_resident(dev, &name, threads, smem)?,
+                driver_resident: driver_resident(dev, &name, wgmma, threads, smem)?,
                 smem_resident: limits.smem_per_sm / (smem + limits.reserved_smem_per_block),
                 planned_resident: part.resident,
                 segments: part.segments,
@@ -172,47 +183,55 @@ pub struct KernelInstanceReport {
 }
 
 /// Every tensor-core kernel instance (each padded head size, program shape,
-/// query dtype and cache kind), loaded on `dev`, with the plan's and the
-/// driver's figures. Not part of the API (see [`KernelInstanceReport`]).
+/// query dtype and cache kind; the warpgroup ones too on a device that runs
+/// them), loaded on `dev`, with the plan's and the driver's figures. Not
+/// part of the API (see [`KernelInstanceReport`]).
 #[doc(hidden)]
 pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceReport>> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute as F;
     let limits = device_limits(dev)?;
     let mut out: Vec<KernelInstanceReport> = Vec::new();
+    // (kind, tile, head, cache kinds) of every instance.
+    let mut instances: Vec<(Kind, TileShape, usize, &[bool])> = Vec::new();
     for &head in &HEAD_SIZES {
         for (kind, small) in [
             (Kind::Decode, false),
             (Kind::Prefill, false),
             (Kind::Prefill, true),
         ] {
-            let tile = tile_shape(kind, head, small);
-            for dtype_name in ["bf16", "f16"] {
-                for fp8 in [false, true] {
-                    let name = instance_name(head, kind, &tile, dtype_name, fp8);
-                    if out.iter().any(|r| r.name == name) {
-                        // Above head size 128 the small prefill tile is the default one.
-                        continue;
-                    }
-                    let smem = smem_bytes(&tile, head, fp8);
-                    let threads = tile.threads();
-                    let func =
-                        function(dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
-                    let attr =
-                        |a| -> Result<usize> { Ok(func.get_attribute(a).w()?.max(0) as usize) };
-                    let resident = func
-                        .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
-                        .w()?;
-                    out.push(KernelInstanceReport {
-                        planned_threads: threads,
-                        planned_smem: smem,
-                        planned_resident: resident_programs(&tile, head, fp8, &limits),
-                        drives_split_kv: kind == Kind::Decode,
-                        driver_max_threads: attr(F::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
-                        driver_static_smem: attr(F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
-                        driver_resident: resident as usize,
-                        name,
-                    });
+            instances.push((kind, tile_shape(kind, head, small), head, &[false, true]));
+        }
+        for small in [false, true] {
+            if let Some(tile) = wgmma_tile(head, small).filter(|_| limits.wgmma) {
+                instances.push((Kind::Prefill, tile, head, &[false]));
+            }
+        }
+    }
+    for (kind, tile, head, caches) in instances {
+        for dtype_name in ["bf16", "f16"] {
+            for &fp8 in caches {
+                let name = instance_name(head, kind, &tile, dtype_name, fp8);
+                if out.iter().any(|r| r.name == name) {
+                    // Above head size 128 the small prefill tile is the default one.
+                    continue;
                 }
+                let smem = smem_bytes(&tile, head, fp8);
+                let threads = tile.threads();
+                let func = attention_function(dev, &name, tile.wgmma, smem)?;
+                let attr = |a| -> Result<usize> { Ok(func.get_attribute(a).w()?.max(0) as usize) };
+                let resident = func
+                    .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+                    .w()?;
+                out.push(KernelInstanceReport {
+                    planned_threads: threads,
+                    planned_smem: smem,
+                    planned_resident: resident_programs(&tile, head, fp8, &limits),
+                    drives_split_kv: kind == Kind::Decode,
+                    driver_max_threads: attr(F::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
+                    driver_static_smem: attr(F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
+                    driver_resident: resident as usize,
+                    name,
+                });
             }
         }
     }

@@ -33,8 +33,15 @@ mod ptx {
     include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
 }
 
+/// PTX of the warpgroup attention instances, compiled for `compute_90a`
+/// whatever the build's target (`UNIFIED_ATTENTION_SM90A`; see build.rs).
+mod ptx_sm90a {
+    include!(concat!(env!("OUT_DIR"), "/ptx_sm90a.rs"));
+}
+
 /// Module names under which the PTX is cached per device.
 const ATTENTION_MODULE: &str = "candle_paged_attention.unified_attention";
+const ATTENTION_SM90A_MODULE: &str = "candle_paged_attention.unified_attention_sm90a";
 const CACHE_MODULE: &str = "candle_paged_attention.reshape_and_cache";
 
 /// The CUDA storage behind a tensor's storage guard.
@@ -138,6 +145,28 @@ fn function(
     Ok(f)
 }
 
+/// The tensor-core attention kernel `name`, from the sm_90a module for a
+/// warpgroup instance (`wgmma`), else from the module of the build's target;
+/// allowed `smem` bytes of dynamic shared memory (see [`function`]).
+fn attention_function(
+    dev: &CudaDevice,
+    name: &str,
+    wgmma: bool,
+    smem: usize,
+) -> Result<CudaFunction> {
+    if wgmma {
+        function(
+            dev,
+            name,
+            ATTENTION_SM90A_MODULE,
+            ptx_sm90a::UNIFIED_ATTENTION_SM90A,
+            smem,
+        )
+    } else {
+        function(dev, name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)
+    }
+}
+
 /// The device attributes the launch decisions read, queried once per device
 /// and cached for the life of the process (they never change).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,6 +181,9 @@ pub(crate) struct DeviceLimits {
     /// Shared memory the driver reserves per resident program (bytes; 1 KiB
     /// on Hopper).
     pub(crate) reserved_smem_per_block: usize,
+    /// Compute capability 9.0 (H100, H200): the sm_90a module's warpgroup
+    /// instances run here, and only here.
+    pub(crate) wgmma: bool,
 }
 
 /// The cached [`DeviceLimits`] of `dev` (queried on first use).
@@ -175,6 +207,10 @@ fn device_limits(dev: &CudaDevice) -> Result<DeviceLimits> {
         max_smem_per_block: get(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
         smem_per_sm: get(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
         reserved_smem_per_block: get(A::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)?,
+        wgmma: (
+            get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ) == (9, 0),
     };
     lock()?.insert(dev.id(), limits);
     Ok(limits)

@@ -52,8 +52,8 @@ use super::plan::{plan, Instance, Merge, Part, Plan};
 use super::tiles::Kind;
 use super::workspace::{self, Workspace};
 use super::{
-    cuda_storage, device_address, fill_nan, function, optional_address, poison_outputs, ptx,
-    DeviceLimits, ATTENTION_MODULE,
+    attention_function, cuda_storage, device_address, fill_nan, function, optional_address,
+    poison_outputs, ptx, DeviceLimits, ATTENTION_MODULE,
 };
 use crate::params::{AttentionDims, PagedAttentionParams};
 
@@ -495,7 +495,9 @@ fn launch_parts(
         p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
         p.num_segments = part.segments as i32;
         p.seq_programs = (part.kind == Kind::Decode) as i32;
-        let Instance { name, smem, .. } = plan.instance(part, k.dtype_name, k.cache_fp8);
+        let Instance {
+            name, smem, wgmma, ..
+        } = plan.instance(part, k.dtype_name, k.cache_fp8);
         if smem > limits.max_smem_per_block {
             bail!(
                 "{OP}: head size {} needs {smem} bytes of shared memory per program, this device allows {}",
@@ -503,7 +505,7 @@ fn launch_parts(
                 limits.max_smem_per_block
             );
         }
-        let func = function(k.dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
+        let func = attention_function(k.dev, &name, wgmma, smem)?;
         let grid_x = u32::try_from(part.grid_x)
             .ok()
             .filter(|&x| x < i32::MAX as u32)

@@ -18,7 +18,9 @@ use std::sync::OnceLock;
 
 use candle_core::{bail, Result};
 
-use super::tiles::{instance_name, smem_bytes, tile_shape, Kind, TileShape, HEAD_SIZES};
+use super::tiles::{
+    instance_name, smem_bytes, tile_shape, wgmma_tile, Kind, TileShape, HEAD_SIZES,
+};
 use super::DeviceLimits;
 use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
 
@@ -78,12 +80,13 @@ pub(super) struct Plan {
 }
 
 /// The kernel instance one part launches: its name, threads and dynamic
-/// shared memory per program.
+/// shared memory per program, and whether it is in the sm_90a module.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Instance {
     pub(super) name: String,
     pub(super) threads: usize,
     pub(super) smem: usize,
+    pub(super) wgmma: bool,
 }
 
 impl Plan {
@@ -94,6 +97,7 @@ impl Plan {
             name: instance_name(self.head, part.kind, &part.tile, dtype_name, fp8),
             threads: part.tile.threads(),
             smem: smem_bytes(&part.tile, self.head, fp8),
+            wgmma: part.tile.wgmma,
         }
     }
 }
@@ -158,11 +162,22 @@ pub(super) fn plan(
     // Longest span whose rows (times the packed heads) fit one decode-shaped program.
     let fits = 16 / group.min(16);
     let decode = tile_shape(Kind::Decode, head, false);
+    // The 128-row prefill tile: the warpgroup instance on a device of
+    // compute capability 9.0 for 16-bit caches of its head sizes (unless
+    // `CANDLE_PAGED_ATTENTION_WGMMA=0`), else the mma.sync one.
+    let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
+    let wgmma = limits.wgmma && !fp8 && wgmma_enabled();
+    let prefill_tile = |small| match wgmma_tile(head, small) {
+        Some(tile) if wgmma => tile,
+        _ => tile_shape(Kind::Prefill, head, small),
+    };
+    let (wide, narrow) = (prefill_tile(false), prefill_tile(true));
     // Prefill programs of 128 rows: less than a wave (of the programs the
-    // device holds) takes 64-row ones. Above head size 128 both are one tile.
+    // device holds) takes 64-row ones. Above head size 128 the mma.sync
+    // instances have one tile (of 64 rows).
     let small = match prefill_tile_override() {
         Some(rows) => rows == 64,
-        None if head > 128 || host.max_seqlen_q() <= fits => false,
+        None if narrow == wide || host.max_seqlen_q() <= fits => false,
         None => {
             let prefill_programs: usize = (0..n)
                 .filter(|&i| host.q_len(i) > fits)
@@ -170,11 +185,10 @@ pub(super) fn plan(
                 .sum::<usize>()
                 * dims.num_kv_heads
                 * group.div_ceil(128);
-            let big = tile_shape(Kind::Prefill, head, false);
-            prefill_programs < resident(Kind::Prefill, &big, head)? * sms
+            prefill_programs < resident(Kind::Prefill, &wide, head)? * sms
         }
     };
-    let prefill = tile_shape(Kind::Prefill, head, small);
+    let prefill = if small { narrow } else { wide };
     let parts = if host.max_seqlen_q() <= fits {
         [Some(part(Kind::Decode, decode, dims, n, all)), None]
     } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
@@ -271,6 +285,14 @@ fn prefill_tile_override() -> Option<usize> {
     })
 }
 
+/// False under `CANDLE_PAGED_ATTENTION_WGMMA=0`, which keeps prefill
+/// launches on the mma.sync instances on Hopper too, so that tests and the
+/// benchmark cover both paths there. Read once per process.
+fn wgmma_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CANDLE_PAGED_ATTENTION_WGMMA").map_or(true, |v| v != "0"))
+}
+
 /// `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch|reduce` forces who merges the
 /// split-KV partials of decode-shaped launches, so that tests and the
 /// benchmark cover both. Read once per process.
@@ -345,6 +367,12 @@ mod tests {
         max_smem_per_block: 227 * 1024,
         smem_per_sm: 228 * 1024,
         reserved_smem_per_block: 1024,
+        wgmma: false,
+    };
+    /// The same with the warpgroup instances.
+    const HOPPER_WG: DeviceLimits = DeviceLimits {
+        wgmma: true,
+        ..HOPPER
     };
     /// An A100: 108 SMs, 164 KiB of shared memory per SM, 163 KiB per
     /// program.
@@ -353,6 +381,7 @@ mod tests {
         max_smem_per_block: 163 * 1024,
         smem_per_sm: 164 * 1024,
         reserved_smem_per_block: 1024,
+        wgmma: false,
     };
 
     /// Llama-shaped attention (32 query heads, 8 KV heads, head size
@@ -389,6 +418,88 @@ mod tests {
             Ok(resident_programs(tile, head, fp8, limits))
         })
         .expect("plan")
+    }
+
+    #[test]
+    fn hopper_prefills_take_the_warpgroup_tile() {
+        let prefill = |head, fp8, limits: &DeviceLimits, seqs: &[(u32, u32)]| {
+            let (q, params) = call(head, fp8, seqs);
+            let plan = plan_on(&q, &params, limits);
+            let part = plan
+                .parts
+                .iter()
+                .flatten()
+                .find(|p| p.kind == Kind::Prefill)
+                .copied();
+            part.map(|p| {
+                (
+                    p.tile.wgmma,
+                    p.tile.rows(),
+                    plan.instance(&p, "bf16", fp8).name,
+                )
+            })
+        };
+        let long = [(2048, 2048); 4];
+        // 16-bit caches at head 64 / 128 on Hopper: the sm_90a instance.
+        for head in [64, 128] {
+            assert_eq!(
+                prefill(head, false, &HOPPER_WG, &long),
+                Some((
+                    true,
+                    128,
+                    format!("unified_attention_h{head}_prefill_wg_bf16")
+                ))
+            );
+            // Elsewhere, or over an fp8 cache: the mma.sync one.
+            assert_eq!(
+                prefill(head, false, &HOPPER, &long),
+                Some((
+                    false,
+                    128,
+                    format!("unified_attention_h{head}_prefill_bf16")
+                ))
+            );
+            assert_eq!(
+                prefill(head, true, &HOPPER_WG, &long),
+                Some((
+                    false,
+                    128,
+                    format!("unified_attention_h{head}_prefill_bf16_fp8")
+                ))
+            );
+        }
+        // Head 256 too; head 32 has none.
+        assert_eq!(
+            prefill(256, false, &HOPPER_WG, &long).map(|p| (p.0, p.1)),
+            Some((true, 128))
+        );
+        assert_eq!(
+            prefill(32, false, &HOPPER_WG, &long).map(|p| p.0),
+            Some(false)
+        );
+        // Less than a wave of 128-row programs: the 64-row warpgroup tile.
+        for head in [64, 128, 256] {
+            assert_eq!(
+                prefill(head, false, &HOPPER_WG, &[(64, 64)]),
+                Some((
+                    true,
+                    64,
+                    format!("unified_attention_h{head}_prefill_wg_m1_bf16")
+                ))
+            );
+        }
+        // The prefill part of a mixed batch too.
+        let mixed = [
+            (1, 4096),
+            (2048, 2048),
+            (2048, 2048),
+            (2048, 2048),
+            (2048, 2048),
+        ];
+        assert_eq!(
+            prefill(128, false, &HOPPER_WG, &mixed).map(|p| p.0),
+            Some(true)
+        );
     }
 
     #[test]

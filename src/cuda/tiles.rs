@@ -58,8 +58,11 @@ pub(crate) struct TileShape {
     /// `__launch_bounds__`: decode h256 and h512 are compiled with a minimum
     /// of 1, and prefill instances with 1, yet more may be resident.
     pub(crate) max_resident: usize,
-    /// Kernel name suffix after the kind (`""` or `"_m1"`).
+    /// Kernel name suffix after the kind (`""`, `"_m1"` or `"_wg"`).
     pub(crate) suffix: &'static str,
+    /// Hopper warpgroup MMAs over 128-byte-swizzled tiles: an instance of
+    /// the sm_90a module (see [`wgmma_tile`]).
+    pub(crate) wgmma: bool,
 }
 
 impl TileShape {
@@ -94,6 +97,7 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
                 _ => 2,
             },
             suffix: "",
+            wgmma: false,
         },
         Kind::Prefill => {
             let two_tiles = head <= 128 && !small;
@@ -105,17 +109,42 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
                 stages: 2,
                 max_resident: 2,
                 suffix: if head <= 128 && small { "_m1" } else { "" },
+                wgmma: false,
             }
         }
     }
 }
 
+/// Padded head sizes with warpgroup prefill instances.
+pub(crate) const WGMMA_HEAD_SIZES: [usize; 3] = [64, 128, 256];
+
+/// A warpgroup prefill instance of the sm_90a module for padded head size
+/// `head` (16-bit queries and caches only), if there is one: 128 packed
+/// rows as two warpgroups of four warps (16 rows each), or with `small` (a
+/// launch with less than a wave of those) 64 rows as one warpgroup; 64
+/// keys per tile, two stages. They take the place of the `mma.sync`
+/// prefill instances on devices of compute capability 9.0.
+pub(crate) fn wgmma_tile(head: usize, small: bool) -> Option<TileShape> {
+    WGMMA_HEAD_SIZES.contains(&head).then_some(TileShape {
+        warps_m: if small { 4 } else { 8 },
+        warps_n: 1,
+        keys_per_warp: 64,
+        m_tiles: 1,
+        stages: 2,
+        max_resident: if head <= 128 { 2 } else { 1 },
+        suffix: if small { "_wg_m1" } else { "_wg" },
+        wgmma: true,
+    })
+}
+
 /// Dynamic shared memory of one instance; mirrors `Smem` in
-/// kernels/unified_attention.cu.
+/// kernels/unified_attention.cu (warpgroup instances: unpadded swizzled
+/// rows, plus 1024 bytes to align their tiles).
 pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     let dv = head.min(256);
     let (bm, bn, st) = (tile.rows(), tile.keys(), tile.stages);
-    let (qs, ks, vs, cs) = (head + 8, head + 8, dv + 8, dv + 8);
+    let pad = if tile.wgmma { 0 } else { 8 };
+    let (qs, ks, vs, cs) = (head + pad, head + pad, dv + pad, dv + 8);
     let q = bm * qs * 2;
     let red = 2 * tile.warps_n * bm * 4;
     let offsets = st * bn * 8;
@@ -125,7 +154,8 @@ pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
         st * bn * (ks + vs) * 2
     };
     let merge = tile.warps_n * bm * cs * 4;
-    q + red + offsets + tiles.max(merge)
+    let align = if tile.wgmma { 1024 } else { 0 };
+    align + q + red + offsets + tiles.max(merge)
 }
 
 /// The kernel name of a tensor-core instance,

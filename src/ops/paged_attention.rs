@@ -213,7 +213,8 @@ impl CustomOp1 for PagedAttention<'_> {
 
 /// How the CUDA path launches `paged_attention(q, params)`, in words: the
 /// tile shape of each launch (`decode`: 16 packed query rows per program,
-/// `prefill`: 128 or 64), its split-KV segments and who merges them, e.g.
+/// `prefill`: 128 or 64, `prefill-wgmma`: 128 rows with Hopper's warpgroup
+/// MMAs), its split-KV segments and who merges them, e.g.
 /// `"decode split-kv(3) + reduce"` or `"decode split-kv(4) + reduce +
 /// prefill"`. For
 /// benchmarks and logs; `q` is `(num_tokens, num_heads, head_size)` on a

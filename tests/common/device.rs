@@ -13,6 +13,10 @@
 //! * optionally `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64` or `128`, which
 //!   forces the prefill tile's row count: run the suite once with each to
 //!   cover both prefill instances.
+//! * optionally `CANDLE_PAGED_ATTENTION_WGMMA=0`, which keeps prefill
+//!   launches on the mma.sync instances on a device of compute capability
+//!   9.0 (where they take the warpgroup ones by default): run the suite
+//!   once with it there to cover both.
 //! * optionally `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch`, which has split
 //!   decode launches merge their own partials instead of the reduce launch
 //!   doing it: run the split tests once with it to cover both merges.
