@@ -145,7 +145,7 @@ mod cuda {
     fn nvcc() -> PathBuf {
         ["CUDA_HOME", "CUDA_PATH"]
             .iter()
-            .filter_map(|v| std::env::var_os(v))
+            .filter_map(std::env::var_os)
             .map(|root| PathBuf::from(root).join("bin").join("nvcc"))
             .find(|p| p.is_file())
             .unwrap_or_else(|| PathBuf::from("nvcc"))

@@ -68,9 +68,10 @@ cuda_test! {
 
 cuda_test! {
     /// On a device of compute capability 9.0, long 16-bit prefills of head
-    /// size 64, 128 and 256 take the warpgroup instance (unless
-    /// `CANDLE_PAGED_ATTENTION_WGMMA=0` or `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64`);
-    /// fp8 caches, other head sizes and other devices the mma.sync ones.
+    /// size 64, 128 and 256 take a warpgroup instance (128 or, with
+    /// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64`, 64 rows) unless
+    /// `CANDLE_PAGED_ATTENTION_WGMMA=0`; fp8 caches, other head sizes and
+    /// other devices the mma.sync ones.
     fn hopper_prefills_take_the_warpgroup_instance(dev: &Device) -> Result<()> {
         use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
         let Device::Cuda(cuda) = dev else {
@@ -83,9 +84,7 @@ cuda_test! {
             ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         );
         let env = |v: &str| std::env::var(v).unwrap_or_default();
-        let on = cc == (9, 0)
-            && env("CANDLE_PAGED_ATTENTION_WGMMA") != "0"
-            && env("CANDLE_PAGED_ATTENTION_PREFILL_ROWS") != "64";
+        let on = cc == (9, 0) && env("CANDLE_PAGED_ATTENTION_WGMMA") != "0";
         for (head_size, fp8, has_instance) in [
             (128, false, true),
             (64, false, true),
