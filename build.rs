@@ -81,13 +81,20 @@ mod cuda {
             for small in [false, true] {
                 let tile = wgmma_tile(head, small)
                     .ok_or_else(|| anyhow::anyhow!("no warpgroup tile for head size {head}"))?;
-                let name = format!("cpa_plan_h{head}_{}{}", Kind::Prefill.name(), tile.suffix);
-                writeln!(out, "constexpr int {name}_threads = {};", tile.threads())?;
-                writeln!(
-                    out,
-                    "constexpr int {name}_smem = {};",
-                    smem_bytes(&tile, head, false)
-                )?;
+                for fp8 in [false, true] {
+                    let name = format!(
+                        "cpa_plan_h{head}_{}{}{}",
+                        Kind::Prefill.name(),
+                        tile.suffix,
+                        if fp8 { "_fp8" } else { "" }
+                    );
+                    writeln!(out, "constexpr int {name}_threads = {};", tile.threads())?;
+                    writeln!(
+                        out,
+                        "constexpr int {name}_smem = {};",
+                        smem_bytes(&tile, head, fp8)
+                    )?;
+                }
             }
         }
         writeln!(out, "constexpr int cpa_norm_threads = {NORM_THREADS};")?;

@@ -18,7 +18,7 @@
 //   program of its group to finish (see "Split KV" below). fp8
 //   caches are dequantised in shared memory to f16 and run f16 MMAs, the
 //   queries scaled per row by a power of two into f16's range.
-// * `unified_attention_h{64|128|256}_prefill_wg[_m1]_{f16|bf16}`: the
+// * `unified_attention_h{64|128|256}_prefill_wg[_m1]_{f16|bf16}[_fp8]`: the
 //   Hopper (sm_90a) prefill instances, compiled into a module of their own
 //   (see "Hopper" below).
 // * `reduce_segments_{f16|bf16}`: merges the split-KV partials (and the
@@ -122,7 +122,10 @@
 // tile (no per-warp skips: an MMA needs all four warps). One key loop
 // iteration therefore has one block barrier, as on the mma.sync path.
 // Prefill launches take their query blocks heaviest first (see `px`).
-// Only 16-bit caches of padded head sizes 64, 128 and 256 have WG
+// fp8 caches stage their tiles as on the mma.sync path and dequantise them
+// into the one converted tile, stored swizzled, then fence the async proxy
+// before that step's block barrier; their queries are scaled into f16 as
+// there, stored swizzled. Padded head sizes 64, 128 and 256 have WG
 // instances; the launch plan falls back to the mma.sync ones elsewhere.
 //
 // Semantics follow the CPU reference (src/cpu/paged_attention.rs): causal and
@@ -200,12 +203,12 @@ struct Cfg {
 // the tiles (whose swizzle is on address bits) on 1024 bytes.
 template <class CF, bool FP8>
 struct Smem {
-  static_assert(!(CF::WG && FP8), "warpgroup instances read 16-bit caches only");
   static constexpr int Q_BYTES = CF::BM * (CF::WG ? CF::HEAD : CF::QS) * 2;
   static constexpr int RED_BYTES = 2 * CF::WARPS_N * CF::BM * 4;
   static constexpr int OFF_BYTES = CF::STAGES * CF::BN * 8;  // per-key cache offsets, one slot per stage
   static constexpr int TILES =
-      FP8     ? CF::BN * CF::KS * 2 + CF::BN * CF::VS * 2 + CF::STAGES * CF::BN * (CF::HEAD + CF::DV)
+      FP8     ? CF::BN * (CF::WG ? CF::HEAD : CF::KS) * 2 + CF::BN * (CF::WG ? CF::DV : CF::VS) * 2 +
+                CF::STAGES * CF::BN * (CF::HEAD + CF::DV)
       : CF::WG ? CF::STAGES * CF::BN * (CF::HEAD + CF::DV) * 2
                : CF::STAGES * CF::BN * (CF::KS + CF::VS) * 2;
   static constexpr int MERGE = CF::WARPS_N * CF::BM * CF::CS * 4;
@@ -322,8 +325,9 @@ struct AttnProgram {
       sQ = reinterpret_cast<MM*>(base);
       unsigned char* region = base + SM::Q_BYTES;
       sK = reinterpret_cast<MM*>(region);
-      sV = sK + STAGES * BN * HEAD;
-      stK = stV = nullptr;
+      sV = sK + (FP8 ? 1 : STAGES) * BN * HEAD;
+      stK = reinterpret_cast<uint8_t*>(sV + (FP8 ? 1 : STAGES) * BN * DV);
+      stV = stK + STAGES * BN * HEAD;
       merge = reinterpret_cast<float*>(region);
       red_m = reinterpret_cast<float*>(region + SM::REGION);
       red_l = red_m + WARPS_N * BM;
@@ -510,7 +514,8 @@ struct AttnProgram {
       w.y = pack2<__half>(v[2] * up, v[3] * up);
       w.z = pack2<__half>(v[4] * up, v[5] * up);
       w.w = pack2<__half>(v[6] * up, v[7] * up);
-      *reinterpret_cast<uint4*>(sQ + r * QS + (c % CPR) * 8) = w;
+      *reinterpret_cast<uint4*>(CF::WG ? reinterpret_cast<unsigned char*>(sQ) + sw128_offset(BM, r, c % CPR)
+                                       : reinterpret_cast<unsigned char*>(sQ + r * QS + (c % CPR) * 8)) = w;
     }
     __syncthreads();
     for (int r = tid; r < BM; r += NT) {
@@ -622,6 +627,8 @@ struct AttnProgram {
                                             int dst_stride) {
     constexpr int EPC = 16 / (int)sizeof(C);  // elements per 16-byte chunk
     constexpr int CPR = COLS / EPC;
+    // WG tiles of 16-bit caches are swizzled; fp8 staging rows never are.
+    constexpr bool SWIZZLED = CF::WG && !FP8;
     const char* base = reinterpret_cast<const char*>(cache);
     if (vec) {
       static_assert(NT % CPR == 0 && BN % (NT / CPR) == 0, "a pass covers whole rows");
@@ -635,7 +642,7 @@ struct AttnProgram {
       for (int i = 0; i < BN / RSTEP; ++i) {
         const int64_t ko = offs[r0 + i * RSTEP];
         const bool ok = col_ok && ko >= 0;
-        cp_async_16(CF::WG ? wg_tile_at(dst, r0 + i * RSTEP, col) : d + i * RSTEP * dst_stride, ok ? src + ko : base,
+        cp_async_16(SWIZZLED ? wg_tile_at(dst, r0 + i * RSTEP, col) : d + i * RSTEP * dst_stride, ok ? src + ko : base,
                     ok);
       }
       return;
@@ -644,7 +651,7 @@ struct AttnProgram {
       const int kl = c / CPR, col = (c % CPR) * EPC;
       const int gcol = col0 + col;
       const int64_t ko = offs[kl];
-      C* d = CF::WG ? wg_tile_at(dst, kl, col) : dst + kl * dst_stride + col;
+      C* d = SWIZZLED ? wg_tile_at(dst, kl, col) : dst + kl * dst_stride + col;
       const C* row = reinterpret_cast<const C*>(base + (ko >= 0 ? ko : 0));
 #pragma unroll
       for (int e = 0; e < EPC; ++e) {
@@ -803,13 +810,17 @@ struct AttnProgram {
 #pragma unroll 4
       for (int i = t0; i < NK * HEAD / 4; i += TS) {
         const int kl = k0 + (4 * i) / HEAD, col = (4 * i) % HEAD;
-        *reinterpret_cast<uint2*>(sK + kl * KS + col) = fp8x4_to<MM>(sk[i]);
+        *reinterpret_cast<uint2*>(CF::WG ? wg_tile_at(sK, kl, col) + col % 8 : sK + kl * KS + col) =
+            fp8x4_to<MM>(sk[i]);
       }
 #pragma unroll 4
       for (int i = t0; i < NK * DV / 4; i += TS) {
         const int kl = k0 + (4 * i) / DV, col = (4 * i) % DV;
-        *reinterpret_cast<uint2*>(sV + kl * VS + col) = fp8x4_to<MM>(sv[i]);
+        *reinterpret_cast<uint2*>(CF::WG ? wg_tile_at(sV, kl, col) + col % 8 : sV + kl * VS + col) =
+            fp8x4_to<MM>(sv[i]);
       }
+      // WG: the converted tile, to the MMAs' async proxy.
+      if constexpr (CF::WG) fence_async_shared();
       if constexpr (OWN) __syncwarp();
       else __syncthreads();
       tK = sK;
@@ -1770,8 +1781,12 @@ __device__ __forceinline__ void scalar_body(const AttnParams& p) {
 #define CPA_ATTN_WG(HEAD, MINB)                                                                           \
   CPA_ATTN_WITH(HEAD, prefill_wg, 8, 1, 64, 1, 2, true, MINB, bf16, __nv_bfloat16, , __nv_bfloat16)      \
   CPA_ATTN_WITH(HEAD, prefill_wg, 8, 1, 64, 1, 2, true, MINB, f16, __half, , __half)                     \
+  CPA_ATTN_WITH(HEAD, prefill_wg, 8, 1, 64, 1, 2, true, MINB, bf16, __nv_bfloat16, _fp8, fp8_t)          \
+  CPA_ATTN_WITH(HEAD, prefill_wg, 8, 1, 64, 1, 2, true, MINB, f16, __half, _fp8, fp8_t)                  \
   CPA_ATTN_WITH(HEAD, prefill_wg_m1, 4, 1, 64, 1, 2, true, MINB, bf16, __nv_bfloat16, , __nv_bfloat16)   \
-  CPA_ATTN_WITH(HEAD, prefill_wg_m1, 4, 1, 64, 1, 2, true, MINB, f16, __half, , __half)
+  CPA_ATTN_WITH(HEAD, prefill_wg_m1, 4, 1, 64, 1, 2, true, MINB, f16, __half, , __half)                  \
+  CPA_ATTN_WITH(HEAD, prefill_wg_m1, 4, 1, 64, 1, 2, true, MINB, bf16, __nv_bfloat16, _fp8, fp8_t)       \
+  CPA_ATTN_WITH(HEAD, prefill_wg_m1, 4, 1, 64, 1, 2, true, MINB, f16, __half, _fp8, fp8_t)
 
 CPA_ATTN_WG(64, 2)
 CPA_ATTN_WG(128, 2)

@@ -70,8 +70,8 @@ cuda_test! {
     /// On a device of compute capability 9.0, long 16-bit prefills of head
     /// size 64, 128 and 256 take a warpgroup instance (128 or, with
     /// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64`, 64 rows) unless
-    /// `CANDLE_PAGED_ATTENTION_WGMMA=0`; fp8 caches, other head sizes and
-    /// other devices the mma.sync ones.
+    /// `CANDLE_PAGED_ATTENTION_WGMMA=0`, over 16-bit and fp8 caches; other
+    /// head sizes and other devices the mma.sync ones.
     fn hopper_prefills_take_the_warpgroup_instance(dev: &Device) -> Result<()> {
         use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
         let Device::Cuda(cuda) = dev else {
@@ -88,7 +88,7 @@ cuda_test! {
         for (head_size, fp8, has_instance) in [
             (128, false, true),
             (64, false, true),
-            (128, true, false),
+            (128, true, true),
             (256, false, true),
             (32, false, false),
         ] {

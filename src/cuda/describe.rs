@@ -203,7 +203,7 @@ pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceRep
         }
         for small in [false, true] {
             if let Some(tile) = wgmma_tile(head, small).filter(|_| limits.wgmma) {
-                instances.push((Kind::Prefill, tile, head, &[false]));
+                instances.push((Kind::Prefill, tile, head, &[false, true]));
             }
         }
     }

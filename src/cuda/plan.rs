@@ -162,11 +162,10 @@ pub(super) fn plan(
     // Longest span whose rows (times the packed heads) fit one decode-shaped program.
     let fits = 16 / group.min(16);
     let decode = tile_shape(Kind::Decode, head, false);
-    // The 128-row prefill tile: the warpgroup instance on a device of
-    // compute capability 9.0 for 16-bit caches of its head sizes (unless
-    // `CANDLE_PAGED_ATTENTION_WGMMA=0`), else the mma.sync one.
-    let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
-    let wgmma = limits.wgmma && !fp8 && wgmma_enabled();
+    // The prefill tiles: the warpgroup instances on a device of compute
+    // capability 9.0 for their head sizes (unless
+    // `CANDLE_PAGED_ATTENTION_WGMMA=0`), else the mma.sync ones.
+    let wgmma = limits.wgmma && wgmma_enabled();
     let prefill_tile = |small| match wgmma_tile(head, small) {
         Some(tile) if wgmma => tile,
         _ => tile_shape(Kind::Prefill, head, small),
@@ -450,7 +449,7 @@ mod tests {
                     format!("unified_attention_h{head}_prefill_wg_bf16")
                 ))
             );
-            // Elsewhere, or over an fp8 cache: the mma.sync one.
+            // Over an fp8 cache too; elsewhere the mma.sync one.
             assert_eq!(
                 prefill(head, false, &HOPPER, &long),
                 Some((
@@ -462,9 +461,9 @@ mod tests {
             assert_eq!(
                 prefill(head, true, &HOPPER_WG, &long),
                 Some((
-                    false,
+                    true,
                     128,
-                    format!("unified_attention_h{head}_prefill_bf16_fp8")
+                    format!("unified_attention_h{head}_prefill_wg_bf16_fp8")
                 ))
             );
         }

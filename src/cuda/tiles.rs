@@ -119,7 +119,7 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
 pub(crate) const WGMMA_HEAD_SIZES: [usize; 3] = [64, 128, 256];
 
 /// A warpgroup prefill instance of the sm_90a module for padded head size
-/// `head` (16-bit queries and caches only), if there is one: 128 packed
+/// `head` (16-bit queries; 16-bit or fp8 caches), if there is one: 128 packed
 /// rows as two warpgroups of four warps (16 rows each), or with `small` (a
 /// launch with less than a wave of those) 64 rows as one warpgroup; 64
 /// keys per tile, two stages. They take the place of the `mma.sync`
