@@ -39,12 +39,16 @@ mod cuda {
     use std::path::PathBuf;
 
     use super::layer_shapes::{ACT_THREADS, NORM_THREADS};
-    use super::tiles::{smem_bytes, tile_shape, wgmma_tile, Kind, HEAD_SIZES, WGMMA_HEAD_SIZES};
+    use super::tiles::{
+        smem_bytes, stream_tile, tile_shape, wgmma_tile, Kind, TileShape, HEAD_SIZES,
+        STREAM_HEAD_SIZES, STREAM_ROWS, WGMMA_HEAD_SIZES,
+    };
 
     /// `$OUT_DIR/kernel_contract.cuh`: for every tensor-core instance, the
     /// threads and dynamic shared-memory bytes the launches plan with, as
     /// `cpa_plan_h{head}_{kind}{suffix}[_fp8]_{threads,smem}` constants that
-    /// the `CPA_ATTN` macros of kernels/unified_attention.cu check; and the
+    /// the `CPA_ATTN` macros of kernels/unified_attention.cu and the
+    /// `CPA_STREAM` macros of kernels/stream_decode.cu check; and the
     /// threads per program of the fused layer kernels
     /// (`cpa_norm_threads`, `cpa_act_threads`, from src/cuda/layer_shapes.rs).
     fn kernel_contract() -> anyhow::Result<String> {
@@ -61,45 +65,51 @@ mod cuda {
                 if small && tile == tile_shape(kind, head, false) {
                     continue;
                 }
-                for fp8 in [false, true] {
-                    let name = format!(
-                        "cpa_plan_h{head}_{}{}{}",
-                        kind.name(),
-                        tile.suffix,
-                        if fp8 { "_fp8" } else { "" }
-                    );
-                    writeln!(out, "constexpr int {name}_threads = {};", tile.threads())?;
-                    writeln!(
-                        out,
-                        "constexpr int {name}_smem = {};",
-                        smem_bytes(&tile, head, fp8)
-                    )?;
-                }
+                write_instance(&mut out, head, kind, &tile)?;
             }
         }
         for head in WGMMA_HEAD_SIZES {
             for small in [false, true] {
                 let tile = wgmma_tile(head, small)
                     .ok_or_else(|| anyhow::anyhow!("no warpgroup tile for head size {head}"))?;
-                for fp8 in [false, true] {
-                    let name = format!(
-                        "cpa_plan_h{head}_{}{}{}",
-                        Kind::Prefill.name(),
-                        tile.suffix,
-                        if fp8 { "_fp8" } else { "" }
-                    );
-                    writeln!(out, "constexpr int {name}_threads = {};", tile.threads())?;
-                    writeln!(
-                        out,
-                        "constexpr int {name}_smem = {};",
-                        smem_bytes(&tile, head, fp8)
-                    )?;
+                write_instance(&mut out, head, Kind::Prefill, &tile)?;
+            }
+        }
+        for head in STREAM_HEAD_SIZES {
+            for rows in STREAM_ROWS {
+                if let Some(tile) = stream_tile(head, rows) {
+                    write_instance(&mut out, head, Kind::Stream, &tile)?;
                 }
             }
         }
         writeln!(out, "constexpr int cpa_norm_threads = {NORM_THREADS};")?;
         writeln!(out, "constexpr int cpa_act_threads = {ACT_THREADS};")?;
         Ok(out)
+    }
+
+    /// The threads and shared-memory constants of the instances of `kind`
+    /// with `tile` at padded head size `head`, over 16-bit and fp8 caches.
+    fn write_instance(
+        out: &mut String,
+        head: usize,
+        kind: Kind,
+        tile: &TileShape,
+    ) -> anyhow::Result<()> {
+        for fp8 in [false, true] {
+            let name = format!(
+                "cpa_plan_h{head}_{}{}{}",
+                kind.name(),
+                tile.suffix,
+                if fp8 { "_fp8" } else { "" }
+            );
+            writeln!(out, "constexpr int {name}_threads = {};", tile.threads())?;
+            writeln!(
+                out,
+                "constexpr int {name}_smem = {};",
+                smem_bytes(tile, head, fp8)
+            )?;
+        }
+        Ok(())
     }
 
     const HEADERS: [&str; 2] = ["kernels/common.cuh", "kernels/attention_params.cuh"];

@@ -31,7 +31,7 @@ use candle_core::cuda_backend::cudarc::driver::sys::{
 use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use candle_core::{DType, Device, Tensor};
 use candle_paged_attention::{
-    cuda_launch_plan, paged_attention, reshape_and_cache, KvScales, PagedAttentionParams,
+    cuda_launch_plan, paged_attention, reshape_and_cache, KvScales, KvSplit, PagedAttentionParams,
     PagedBatch, SlotMapping,
 };
 use rand::rngs::StdRng;
@@ -49,6 +49,8 @@ struct Args {
     max_reps: usize,
     target_ms: f64,
     ceilings: bool,
+    /// Forced split-KV segments (`KvSplit::Segments`); the plan's own when unset.
+    segments: Option<u32>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -60,6 +62,7 @@ fn parse_args() -> Result<Args> {
         max_reps: 200,
         target_ms: 100.0,
         ceilings: true,
+        segments: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -71,8 +74,9 @@ fn parse_args() -> Result<Args> {
             "--max-reps" => args.max_reps = value("--max-reps")?.parse()?,
             "--target-ms" => args.target_ms = value("--target-ms")?.parse()?,
             "--no-ceilings" => args.ceilings = false,
+            "--segments" => args.segments = Some(value("--segments")?.parse()?),
             "-h" | "--help" => {
-                println!("bench [--shapes shapes.json] [--out ours.jsonl] [--min-reps N] [--max-reps N] [--target-ms MS] [--no-ceilings] [CASE...]");
+                println!("bench [--shapes shapes.json] [--out ours.jsonl] [--min-reps N] [--max-reps N] [--target-ms MS] [--no-ceilings] [--segments N] [CASE...]");
                 std::process::exit(0);
             }
             s if s.starts_with("--") => bail!("unknown option {s}"),
@@ -246,8 +250,11 @@ fn run_case(c: &Value, dev: &Device, timer: &mut Timer, args: &Args, seed: u64) 
     let kc = Tensor::zeros((blocks.max(1), bs, kvh, d), cache_dtype, dev)?;
     let vc = Tensor::zeros((blocks.max(1), bs, kvh, d), cache_dtype, dev)?;
     fill_random(&kc, &vc, blocks * bs, dev)?;
-    let params = PagedAttentionParams::new(&kc, &vc, &batch, 1.0 / (d as f32).sqrt())
+    let mut params = PagedAttentionParams::new(&kc, &vc, &batch, 1.0 / (d as f32).sqrt())
         .with_sliding_window(window);
+    if let Some(k) = args.segments {
+        params = params.with_kv_split(KvSplit::Segments(k));
+    }
 
     let path = cuda_launch_plan(&q, &params)?;
     // Check once, with the output poisoned.

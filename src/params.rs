@@ -17,8 +17,9 @@ use crate::batch::PagedBatch;
 pub const MAX_HEAD_SIZE: usize = 512;
 
 /// How the CUDA path splits the keys of the decode-shaped programs across
-/// segments (the last program of each group of segments merges their
-/// partials, in the same launch).
+/// segments (their partials merged by the last program of each group, in
+/// the same launch, for the stream-decode instances; by a reduce launch for
+/// the unified kernel's).
 /// The CPU path computes the same function whatever the choice.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvSplit {

@@ -28,7 +28,7 @@ cuda_test! {
         // prefill tile, each for bf16/f16 queries and plain/fp8 caches; on a
         // device of compute capability 9.0 also the two warpgroup prefill
         // instances of head sizes 64, 128 and 256, for each query dtype and
-        // cache kind.
+        // cache kind; and the stream-decode instances.
         let wgmma = reports.iter().filter(|r| r.name.contains("_prefill_wg_")).count();
         use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
         let stream = cuda.cuda_stream();
@@ -37,7 +37,15 @@ cuda_test! {
         let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let expected_wgmma = if (major, minor) == (9, 0) { 3 * 2 * 4 } else { 0 };
         ensure!(wgmma == expected_wgmma, "{wgmma} warpgroup instances on sm_{major}{minor}");
-        ensure!(reports.len() == (5 * 2 + 3) * 4 + wgmma, "{} instances", reports.len());
+        // The stream-decode instances: 8 rows at head sizes 64, 128, 256 and
+        // 16 rows at 64 and 128, on every device.
+        let stream = reports.iter().filter(|r| r.name.contains("_stream_r")).count();
+        ensure!(stream == 5 * 4, "{stream} stream-decode instances");
+        ensure!(
+            reports.len() == (5 * 2 + 3) * 4 + wgmma + stream,
+            "{} instances",
+            reports.len()
+        );
         let mut bad = Vec::new();
         for r in &reports {
             let resident_ok = if r.drives_split_kv {

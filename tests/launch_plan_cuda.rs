@@ -5,8 +5,10 @@
 //! run of calls of different shapes that reuse the workspace (and, under
 //! `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch`, where the last program of
 //! each decode group merges the partials in the attention launch itself,
-//! its arrival counters; by default the reduce launch merges them). GPU
-//! only: without the `cuda` feature this binary is empty.
+//! its arrival counters; by default the reduce launch merges them, and
+//! the stream-decode instances merge their own); and decodes take the
+//! stream-decode instances where one serves. GPU only: without the `cuda`
+//! feature this binary is empty.
 #![cfg(feature = "cuda")]
 
 #[macro_use]
@@ -98,6 +100,40 @@ cuda_test! {
             let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &case.params(&inputs))?;
             let expected = if on && has_instance { "prefill-wgmma" } else { "prefill" };
             ensure!(plan == expected, "h{head_size} fp8={fp8} on sm_{}{}: {plan}", cc.0, cc.1);
+        }
+        Ok(())
+    }
+}
+
+cuda_test! {
+    /// Decodes of head size 64, 128 and 256 over blocks of 16 take the
+    /// stream-decode instance (merging their split-KV partials in the same
+    /// launch) unless `CANDLE_PAGED_ATTENTION_STREAM=0`; head size 32 and
+    /// blocks of 8 take the unified kernel's decode instance; either way the
+    /// output matches the reference.
+    fn decodes_take_the_stream_instance(dev: &Device) -> Result<()> {
+        let env = |v: &str| std::env::var(v).unwrap_or_default();
+        let on = env("CANDLE_PAGED_ATTENTION_STREAM") != "0";
+        let merge = env("CANDLE_PAGED_ATTENTION_SPLIT_MERGE");
+        for (head_size, block_size, fp8, has_instance) in [
+            (128, 16, false, true),
+            (64, 32, true, true),
+            (256, 16, false, true),
+            (32, 16, false, false),
+            (128, 8, false, false),
+        ] {
+            let case = Case::new(&[(1, 2000)], (8, 2), head_size, block_size, DType::BF16)
+                .with_fp8_cache(fp8)
+                .with_seed(head_size as u64);
+            let inputs = case.build(dev)?;
+            let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &case.params(&inputs))?;
+            let stream = on && has_instance;
+            let expected = if stream { "stream split-kv(" } else { "decode split-kv(" };
+            ensure!(plan.starts_with(expected), "h{head_size} bs{block_size}: {plan}");
+            let reduced = plan.ends_with("+ reduce");
+            let want_reduce = if stream { merge == "reduce" } else { merge != "launch" };
+            ensure!(reduced == want_reduce, "h{head_size} bs{block_size}: {plan}");
+            check_case(&case, dev)?;
         }
         Ok(())
     }

@@ -58,10 +58,17 @@ pub(crate) struct AttnParams {
     pub(crate) softcap: f32,
     pub(crate) v_scale: f32,
     pub(crate) out_inv_scale: f32,
+    /// Stream decode: the keys per sequence the host expects (0: none). A
+    /// hint: programs load their first block-table entries for it before
+    /// the real length arrives, and load them again when it was wrong.
+    pub(crate) seq_len_hint: i32,
+    /// Stream decode: 1 when every sequence has one new token (its query
+    /// row is its index), so programs load queries before the lengths.
+    pub(crate) decode_only: i32,
 }
 
 /// Bytes of `cpa::AttnParams`; kernels/attention_params.cuh asserts the same.
-pub(crate) const ATTN_PARAMS_BYTES: usize = 216;
+pub(crate) const ATTN_PARAMS_BYTES: usize = 224;
 const _: () = assert!(std::mem::size_of::<AttnParams>() == ATTN_PARAMS_BYTES);
 
 // SAFETY: a `#[repr(C)]` block of integers and floats whose layout matches
@@ -73,7 +80,7 @@ unsafe impl DeviceRepr for AttnParams {}
 /// `(field, byte offset)` of every field of [`AttnParams`], in order (what
 /// the header's `offsetof` assertions are compared with).
 #[cfg(test)]
-pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 39] = [
+pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 41] = [
     ("q", offset_of!(AttnParams, q)),
     ("k_cache", offset_of!(AttnParams, k_cache)),
     ("v_cache", offset_of!(AttnParams, v_cache)),
@@ -116,6 +123,8 @@ pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 39] = [
     ("softcap", offset_of!(AttnParams, softcap)),
     ("v_scale", offset_of!(AttnParams, v_scale)),
     ("out_inv_scale", offset_of!(AttnParams, out_inv_scale)),
+    ("seq_len_hint", offset_of!(AttnParams, seq_len_hint)),
+    ("decode_only", offset_of!(AttnParams, decode_only)),
 ];
 
 #[cfg(test)]

@@ -13,15 +13,16 @@ use candle_core::{CudaDevice, DType, Result};
 use super::occupancy::{driver_resident, Residency};
 use super::plan::{plan, resident_programs, Instance, Merge, Plan};
 use super::tiles::{
-    instance_name, smem_bytes, tile_shape, wgmma_tile, Kind, TileShape, HEAD_SIZES,
+    instance_name, smem_bytes, stream_tile, tile_shape, wgmma_tile, Kind, TileShape, HEAD_SIZES,
+    STREAM_ROWS,
 };
-use super::{attention_function, device_limits};
+use super::{attention_function, device_limits, AttnModule};
 use crate::params::{AttentionDims, PagedAttentionParams};
 
 /// How `forward` launches this call, in words: each part's tile shape
-/// (`prefill-wgmma` for the warpgroup instance) and its split-KV segments
-/// and who merges them (e.g. `decode split-kv(10)`, `decode split-kv(8) +
-/// reduce`, `decode + prefill`).
+/// (`prefill-wgmma` for the warpgroup instance, `stream` for stream decode)
+/// and its split-KV segments and who merges them (e.g. `stream
+/// split-kv(16)`, `decode split-kv(8) + reduce`, `stream + prefill-wgmma`).
 pub(crate) fn describe(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
@@ -77,7 +78,8 @@ fn call_plan(
         dtype_name,
         fp8: params.key_cache.dtype() == DType::F8E4M3,
     };
-    plan(params, dims, &limits, &|kind, tile, head| {
+    // Tensors as candle allocates them: starting on 16 bytes.
+    plan(params, dims, &limits, true, &|kind, tile, head| {
         residency.resident(kind, tile, head)
     })
 }
@@ -134,10 +136,10 @@ pub(crate) fn launch_residency(
                 name,
                 threads,
                 smem,
-                wgmma,
+                module,
             } = plan.instance(part, dtype_name, fp8);
             Ok(LaunchResidency {
-                driver_resident: driver_resident(dev, &name, wgmma, threads, smem)?,
+                driver_resident: driver_resident(dev, &name, module, threads, smem)?,
                 smem_resident: limits.smem_per_sm / (smem + limits.reserved_smem_per_block),
                 planned_resident: part.resident,
                 segments: part.segments,
@@ -206,6 +208,11 @@ pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceRep
                 instances.push((Kind::Prefill, tile, head, &[false, true]));
             }
         }
+        for rows in STREAM_ROWS {
+            if let Some(tile) = stream_tile(head, rows) {
+                instances.push((Kind::Stream, tile, head, &[false, true]));
+            }
+        }
     }
     for (kind, tile, head, caches) in instances {
         for dtype_name in ["bf16", "f16"] {
@@ -217,7 +224,7 @@ pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceRep
                 }
                 let smem = smem_bytes(&tile, head, fp8);
                 let threads = tile.threads();
-                let func = attention_function(dev, &name, tile.wgmma, smem)?;
+                let func = attention_function(dev, &name, AttnModule::of(&tile), smem)?;
                 let attr = |a| -> Result<usize> { Ok(func.get_attribute(a).w()?.max(0) as usize) };
                 let resident = func
                     .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
@@ -226,7 +233,7 @@ pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceRep
                     planned_threads: threads,
                     planned_smem: smem,
                     planned_resident: resident_programs(&tile, head, fp8, &limits),
-                    drives_split_kv: kind == Kind::Decode,
+                    drives_split_kv: matches!(kind, Kind::Decode | Kind::Stream),
                     driver_max_threads: attr(F::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
                     driver_static_smem: attr(F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
                     driver_resident: resident as usize,

@@ -42,6 +42,7 @@ mod ptx_sm90a {
 /// Module names under which the PTX is cached per device.
 const ATTENTION_MODULE: &str = "candle_paged_attention.unified_attention";
 const ATTENTION_SM90A_MODULE: &str = "candle_paged_attention.unified_attention_sm90a";
+const STREAM_MODULE: &str = "candle_paged_attention.stream_decode";
 const CACHE_MODULE: &str = "candle_paged_attention.reshape_and_cache";
 
 /// The CUDA storage behind a tensor's storage guard.
@@ -145,25 +146,48 @@ fn function(
     Ok(f)
 }
 
-/// The tensor-core attention kernel `name`, from the sm_90a module for a
-/// warpgroup instance (`wgmma`), else from the module of the build's target;
-/// allowed `smem` bytes of dynamic shared memory (see [`function`]).
+/// The PTX module a tensor-core attention instance lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AttnModule {
+    /// kernels/unified_attention.cu for the build's target.
+    Unified,
+    /// kernels/unified_attention.cu for `compute_90a`: the warpgroup instances.
+    Sm90a,
+    /// kernels/stream_decode.cu: the stream-decode instances.
+    Stream,
+}
+
+impl AttnModule {
+    /// The module of the instances with tile `tile`.
+    pub(crate) fn of(tile: &tiles::TileShape) -> Self {
+        if tile.wgmma {
+            Self::Sm90a
+        } else if tile.registers {
+            Self::Stream
+        } else {
+            Self::Unified
+        }
+    }
+}
+
+/// The tensor-core attention kernel `name` of `module`, allowed `smem` bytes
+/// of dynamic shared memory (see [`function`]).
 fn attention_function(
     dev: &CudaDevice,
     name: &str,
-    wgmma: bool,
+    module: AttnModule,
     smem: usize,
 ) -> Result<CudaFunction> {
-    if wgmma {
-        function(
+    match module {
+        AttnModule::Sm90a => function(
             dev,
             name,
             ATTENTION_SM90A_MODULE,
             ptx_sm90a::UNIFIED_ATTENTION_SM90A,
             smem,
-        )
-    } else {
-        function(dev, name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)
+        ),
+        AttnModule::Stream => function(dev, name, STREAM_MODULE, ptx::STREAM_DECODE, smem),
+        AttnModule::Unified => function(dev, name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem),
     }
 }
 

@@ -16,7 +16,7 @@ use candle_core::cuda_backend::{DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, Result};
 
 use super::tiles::{instance_name, smem_bytes, Kind, TileShape};
-use super::{attention_function, DeviceLimits};
+use super::{attention_function, AttnModule, DeviceLimits};
 
 const OP: &str = "paged-attention";
 
@@ -57,13 +57,14 @@ impl Residency<'_> {
         }
         // At least one: a launch runs whatever the figure, and the plans
         // divide by it.
-        let r = driver_resident(self.dev, &key.1, tile.wgmma, tile.threads(), smem)?.max(1);
+        let r =
+            driver_resident(self.dev, &key.1, AttnModule::of(tile), tile.threads(), smem)?.max(1);
         lock()?.insert(key, r);
         Ok(r)
     }
 }
 
-/// Programs of the kernel `name` (of the sm_90a module when `wgmma`)
+/// Programs of the kernel `name` of `module`
 /// resident on one SM at `threads` threads and `smem` bytes of dynamic
 /// shared memory per program, asked of the driver now (uncached); the
 /// kernel is loaded, with its shared-memory limit raised to `smem`, as a
@@ -71,11 +72,11 @@ impl Residency<'_> {
 pub(super) fn driver_resident(
     dev: &CudaDevice,
     name: &str,
-    wgmma: bool,
+    module: AttnModule,
     threads: usize,
     smem: usize,
 ) -> Result<usize> {
-    let func = attention_function(dev, name, wgmma, smem)?;
+    let func = attention_function(dev, name, module, smem)?;
     let threads = u32::try_from(threads).map_err(|_| {
         candle_core::Error::Msg(format!("{OP}: {threads} threads per program for {name}"))
     })?;

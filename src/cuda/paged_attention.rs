@@ -6,15 +6,18 @@
 //! (`unified_attention_h{HEAD}_{kind}_{dtype}[_fp8]`), either writing the
 //! output directly (one segment) or writing split-KV partials into the
 //! workspace, which `reduce_segments_{dtype}` merges (one program per
-//! partial row and head). Under `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch`
-//! a decode-shaped launch merges its own partials instead (the last program
-//! of each split group, through arrival counters; see `plan::Merge`).
+//! partial row and head), or the launch itself (the last program of each
+//! split group, through arrival counters; see `plan::Merge`): by default
+//! the stream-decode instances (`unified_attention_h{HEAD}_stream_r{8|16}_..`,
+//! kernels/stream_decode.cu, which serve most decode-shaped launches) merge
+//! their own, the unified kernel's decode instances leave it to the reduce.
 //! Prefill-shaped launches split only under `KvSplit::Segments`. f32
 //! queries run
 //! `unified_attention_scalar_f32[_fp8]`.
 //!
 //! * Tile shapes: sequences whose new tokens (times the packed heads of a KV
-//!   group) fit 16 rows run decode-shaped programs, one per sequence; longer
+//!   group) fit 16 rows run decode-shaped programs, one per sequence
+//!   (stream decode where `plan` finds an instance for the call); longer
 //!   ones run prefill-shaped programs of 128 rows (64 when that launch has
 //!   less than a wave of programs, and for head sizes above 128). A batch
 //!   that mixes both is two launches.
@@ -149,17 +152,24 @@ fn launch(
         dtype_name,
         fp8: cache_fp8,
     };
-    let plan = plan(params, dims, &limits, &|kind, tile, head| {
-        residency.resident(kind, tile, head)
-    })?;
+    let plan = plan(
+        params,
+        dims,
+        &limits,
+        p.vec_loads != 0,
+        &|kind, tile, head| residency.resident(kind, tile, head),
+    )?;
     let split = SplitLayout::of(&plan, params, dims);
     p.ws_seq_rows = plan.ws_seq_rows as i32;
     let _ws_sync = ensure_workspace(ws, &dev, &stream, &split, dims, &mut p)?;
+    let host = params.batch.host();
     let kernels = Kernels {
         dev: &dev,
         stream: &stream,
         dtype_name,
         cache_fp8,
+        decode_only: host.is_pure_decode(),
+        seq_len_hint: check_i32("max_seqlen_k", host.max_seqlen_k())?,
     };
     launch_parts(&kernels, &plan, &limits, dims, &mut p)?;
     for part in plan.parts.iter().flatten() {
@@ -345,6 +355,8 @@ fn gather_params<'a>(
         q_len_max: i32::MAX,
         ws_seq_rows: 0,
         seq_programs: 0,
+        seq_len_hint: 0,
+        decode_only: 0,
         scale: params.scale * kv_scales.k_scale,
         softcap: params.active_softcap().unwrap_or(0.0),
         v_scale: kv_scales.v_scale,
@@ -470,6 +482,10 @@ struct Kernels<'a> {
     stream: &'a CudaStream,
     dtype_name: &'static str,
     cache_fp8: bool,
+    /// Every sequence has one new token (`PagedBatchHost::is_pure_decode`).
+    decode_only: bool,
+    /// The longest sequence's key count, the stream-decode programs' hint.
+    seq_len_hint: i32,
 }
 
 /// The tensor-core launches, one per part of the plan
@@ -482,6 +498,7 @@ fn launch_parts(
     p: &mut AttnParams,
 ) -> Result<()> {
     let counters = p.ws_counters;
+    let (decode_only, seq_len_hint) = (k.decode_only, k.seq_len_hint);
     for part in plan.parts.iter().flatten() {
         // A null counter buffer: the reduce launch merges this part.
         p.ws_counters = if part.merge == Merge::InLaunch {
@@ -494,9 +511,17 @@ fn launch_parts(
         p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
         p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
         p.num_segments = part.segments as i32;
-        p.seq_programs = (part.kind == Kind::Decode) as i32;
+        p.seq_programs = matches!(part.kind, Kind::Decode | Kind::Stream) as i32;
+        // Stream decode: what its programs may load before the lengths arrive.
+        p.decode_only =
+            (part.kind == Kind::Stream && plan.parts[1].is_none() && decode_only) as i32;
+        p.seq_len_hint = if part.kind == Kind::Stream {
+            seq_len_hint
+        } else {
+            0
+        };
         let Instance {
-            name, smem, wgmma, ..
+            name, smem, module, ..
         } = plan.instance(part, k.dtype_name, k.cache_fp8);
         if smem > limits.max_smem_per_block {
             bail!(
@@ -505,7 +530,7 @@ fn launch_parts(
                 limits.max_smem_per_block
             );
         }
-        let func = attention_function(k.dev, &name, wgmma, smem)?;
+        let func = attention_function(k.dev, &name, module, smem)?;
         let grid_x = u32::try_from(part.grid_x)
             .ok()
             .filter(|&x| x < i32::MAX as u32)

@@ -19,9 +19,9 @@ use std::sync::OnceLock;
 use candle_core::{bail, Result};
 
 use super::tiles::{
-    instance_name, smem_bytes, tile_shape, wgmma_tile, Kind, TileShape, HEAD_SIZES,
+    instance_name, smem_bytes, stream_tile, tile_shape, wgmma_tile, Kind, TileShape, HEAD_SIZES,
 };
-use super::DeviceLimits;
+use super::{AttnModule, DeviceLimits};
 use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
 
 const OP: &str = "paged-attention";
@@ -31,14 +31,15 @@ pub(crate) const MAX_SEGMENTS: usize = 256;
 
 /// Who merges the split-KV partials of a part with more than one segment.
 ///
-/// Every part plans `Reduce`. On an H200 (docs/perf.md, version 5) the
-/// second launch was as fast or faster than the in-launch merge on every
-/// split decode case of the benchmark (b256 L1k 343.8 against 378.0 µs,
-/// b1 L8k 31.9 against 34.6 µs): the merge of a group runs in one program,
-/// behind every program's fence and arrival, where the reduce spreads it
-/// over one program per (row, head). `InLaunch` stays for decode-shaped
-/// parts under `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch`, which the GPU
-/// tests run too.
+/// Stream-decode parts plan `InLaunch` (their merge is an online merge over
+/// batches of segments, one L2 round trip per 16 segments; docs/perf.md,
+/// version 7). The unified kernel's decode-shaped parts plan `Reduce`: on
+/// an H200 (docs/perf.md, version 5) that second launch was as fast or
+/// faster than their in-launch merge on every split decode case of the
+/// benchmark (b256 L1k 343.8 against 378.0 µs, b1 L8k 31.9 against
+/// 34.6 µs). `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch|reduce` forces one
+/// or the other for every decode-shaped part, which the GPU tests run
+/// too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Merge {
     /// The last program of each group, through arrival counters: one launch.
@@ -80,13 +81,13 @@ pub(super) struct Plan {
 }
 
 /// The kernel instance one part launches: its name, threads and dynamic
-/// shared memory per program, and whether it is in the sm_90a module.
+/// shared memory per program, and the module it is in.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Instance {
     pub(super) name: String,
     pub(super) threads: usize,
     pub(super) smem: usize,
-    pub(super) wgmma: bool,
+    pub(super) module: AttnModule,
 }
 
 impl Plan {
@@ -97,7 +98,7 @@ impl Plan {
             name: instance_name(self.head, part.kind, &part.tile, dtype_name, fp8),
             threads: part.tile.threads(),
             smem: smem_bytes(&part.tile, self.head, fp8),
-            wgmma: part.tile.wgmma,
+            module: AttnModule::of(&part.tile),
         }
     }
 }
@@ -117,14 +118,17 @@ fn part(
     // A decode-shaped launch serves spans of at most `block_q` rows: one
     // program per sequence.
     let grid_x = match kind {
-        Kind::Decode => num_seqs,
+        Kind::Decode | Kind::Stream => num_seqs,
         Kind::Prefill => dims.num_tokens / block_q + num_seqs,
     };
     Part {
         kind,
         tile,
         segments: 1,
-        merge: Merge::Reduce,
+        merge: match kind {
+            Kind::Stream => Merge::InLaunch,
+            Kind::Decode | Kind::Prefill => Merge::Reduce,
+        },
         resident: 1,
         group_entries,
         head_chunks: group.div_ceil(group_entries),
@@ -141,11 +145,13 @@ pub(super) type ResidentFn<'a> = dyn Fn(Kind, &TileShape, usize) -> Result<usize
 
 /// The launch plan of one call on a device with `limits` whose instances
 /// fit `resident` programs per SM: the parts, their split-KV segments and
-/// the workspace row layout.
+/// the workspace row layout. `aligned`: the query and the caches start on
+/// 16 bytes (what the stream-decode instances need besides the head size).
 pub(super) fn plan(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
     limits: &DeviceLimits,
+    aligned: bool,
     resident: &ResidentFn<'_>,
 ) -> Result<Plan> {
     let sms = limits.sms;
@@ -188,11 +194,22 @@ pub(super) fn plan(
         }
     };
     let prefill = if small { narrow } else { wide };
+    // The decode-shaped launch: a stream-decode instance where one serves
+    // the call (`stream_decode_tile`), else the unified kernel's.
+    let decode_span = (0..n)
+        .map(|i| host.q_len(i))
+        .filter(|&q| q <= fits)
+        .max()
+        .unwrap_or(1);
+    let decode_part = |q_lens| match stream_decode_tile(params, dims, head, decode_span, aligned) {
+        Some(tile) => part(Kind::Stream, tile, dims, n, q_lens),
+        None => part(Kind::Decode, decode, dims, n, q_lens),
+    };
     let parts = if host.max_seqlen_q() <= fits {
-        [Some(part(Kind::Decode, decode, dims, n, all)), None]
+        [Some(decode_part(all)), None]
     } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
         [
-            Some(part(Kind::Decode, decode, dims, n, (1, fits))),
+            Some(decode_part((1, fits))),
             Some(part(Kind::Prefill, prefill, dims, n, (fits + 1, all.1))),
         ]
     } else {
@@ -211,7 +228,9 @@ pub(super) fn plan(
         let active = seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
         let slots = p.resident * sms;
         let keys = params.sliding_window.map_or(max_keys, |w| w.min(max_keys));
-        choose_segments(active, slots, keys, key_bytes)
+        // A stream-decode segment can be one 16-key step per warp.
+        let segment_keys = if p.kind == Kind::Stream { 64 } else { 128 };
+        choose_segments(active, slots, keys, key_bytes, segment_keys)
     };
     let mut ws_seq_rows = 0;
     match (params.kv_split, &mut parts) {
@@ -258,7 +277,7 @@ pub(super) fn plan(
     }
     if let Some(merge) = split_merge_override() {
         for p in parts.iter_mut().flatten() {
-            if p.kind == Kind::Decode {
+            if matches!(p.kind, Kind::Decode | Kind::Stream) {
                 p.merge = merge;
             }
         }
@@ -269,6 +288,43 @@ pub(super) fn plan(
         ws_seq_rows,
         parts,
     })
+}
+
+/// The stream-decode tile for the decode-shaped launch of a call at padded
+/// head size `head` whose decode-shaped spans have at most `span` new
+/// tokens, if one serves it: `CANDLE_PAGED_ATTENTION_STREAM` is not `0`,
+/// the head size has an instance, the block size is a multiple of 16 (a
+/// warp step of 16 keys lies in one block), the query and caches are
+/// `aligned` and the head size allows 16-byte loads (a multiple of 8, of 16
+/// over an fp8 cache). 8 packed rows when the span's rows (times the query
+/// heads of a KV group) fit them, else 16 (none at head size 256).
+fn stream_decode_tile(
+    params: &PagedAttentionParams,
+    dims: &AttentionDims,
+    head: usize,
+    span: usize,
+    aligned: bool,
+) -> Option<TileShape> {
+    let fp8 = params.key_cache.dtype().size_in_bytes() == 1;
+    let loads = aligned && dims.head_size.is_multiple_of(if fp8 { 16 } else { 8 });
+    if !stream_enabled() || !loads || !dims.block_size.is_multiple_of(16) {
+        return None;
+    }
+    let group = dims.group_size();
+    let rows = if group <= 8 && span * group <= 8 {
+        8
+    } else {
+        16
+    };
+    stream_tile(head, rows)
+}
+
+/// False under `CANDLE_PAGED_ATTENTION_STREAM=0`, which keeps decode-shaped
+/// launches on the unified kernel's decode instances, so that tests and the
+/// benchmark cover both. Read once per process.
+fn stream_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CANDLE_PAGED_ATTENTION_STREAM").map_or(true, |v| v != "0"))
 }
 
 /// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64|128` forces the prefill tile's
@@ -293,8 +349,8 @@ fn wgmma_enabled() -> bool {
 }
 
 /// `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch|reduce` forces who merges the
-/// split-KV partials of decode-shaped launches, so that tests and the
-/// benchmark cover both. Read once per process.
+/// split-KV partials of decode-shaped launches (both kernels), so that
+/// tests and the benchmark cover both. Read once per process.
 fn split_merge_override() -> Option<Merge> {
     static MERGE: OnceLock<Option<Merge>> = OnceLock::new();
     *MERGE.get_or_init(|| {
@@ -339,12 +395,19 @@ const SEGMENT_OVERHEAD_BYTES: usize = 64 << 10;
 
 /// Segments per program for `active` programs that see up to `keys` keys of
 /// `key_bytes` bytes (K and V) each, on `slots` resident programs: the
-/// count (1 to one per 128 keys, at most 64) that minimises the modelled
-/// time, waves x (bytes per segment + `SEGMENT_OVERHEAD_BYTES`), where
-/// waves = ceil(active x segments / slots); the fewest segments on a tie.
-fn choose_segments(active: usize, slots: usize, keys: usize, key_bytes: usize) -> usize {
+/// count (1 to one per `segment_keys` keys, at most 64) that minimises the
+/// modelled time, waves x (bytes per segment + `SEGMENT_OVERHEAD_BYTES`),
+/// where waves = ceil(active x segments / slots); the fewest segments on a
+/// tie.
+fn choose_segments(
+    active: usize,
+    slots: usize,
+    keys: usize,
+    key_bytes: usize,
+    segment_keys: usize,
+) -> usize {
     let (active, slots) = (active.max(1), slots.max(1));
-    let max_segments = keys.div_ceil(128).clamp(1, 64);
+    let max_segments = keys.div_ceil(segment_keys.max(1)).clamp(1, 64);
     let cost = |s: usize| {
         (active * s).div_ceil(slots) * (keys.div_ceil(s) * key_bytes + SEGMENT_OVERHEAD_BYTES)
     };
@@ -388,6 +451,17 @@ mod tests {
     /// point at block 0, for sequences of `(new tokens, keys)`; the bf16
     /// query and its params.
     fn call(head: usize, fp8: bool, seqs: &[(u32, u32)]) -> (Tensor, PagedAttentionParams) {
+        call_with(head, fp8, 16, seqs)
+    }
+
+    /// [`call`] over blocks of `block_size` tokens (8: no stream-decode
+    /// instance, so decodes take the unified kernel's).
+    fn call_with(
+        head: usize,
+        fp8: bool,
+        block_size: usize,
+        seqs: &[(u32, u32)],
+    ) -> (Tensor, PagedAttentionParams) {
         let dev = Device::Cpu;
         let mut cu = vec![0u32];
         for &(q, _) in seqs {
@@ -396,11 +470,11 @@ mod tests {
         let lens: Vec<u32> = seqs.iter().map(|&(_, k)| k).collect();
         let rows: Vec<Vec<u32>> = lens
             .iter()
-            .map(|&k| vec![0; k.div_ceil(16) as usize])
+            .map(|&k| vec![0; k.div_ceil(block_size as u32) as usize])
             .collect();
-        let batch = PagedBatch::from_rows(&cu, &lens, &rows, 16, &dev).expect("batch");
+        let batch = PagedBatch::from_rows(&cu, &lens, &rows, block_size, &dev).expect("batch");
         let cache_dtype = if fp8 { DType::F8E4M3 } else { DType::BF16 };
-        let cache = Tensor::zeros((1, 16, 8, head), cache_dtype, &dev).expect("cache");
+        let cache = Tensor::zeros((1, block_size, 8, head), cache_dtype, &dev).expect("cache");
         let tokens = cu[cu.len() - 1] as usize;
         let q = Tensor::zeros((tokens, 32, head), DType::BF16, &dev).expect("q");
         (q, PagedAttentionParams::new(&cache, &cache, &batch, 0.1))
@@ -413,7 +487,7 @@ mod tests {
             .validate(q.dtype(), q.shape(), q.device())
             .expect("valid call");
         let fp8 = params.key_cache.dtype() == DType::F8E4M3;
-        plan(params, &dims, limits, &|_, tile, head| {
+        plan(params, &dims, limits, true, &|_, tile, head| {
             Ok(resident_programs(tile, head, fp8, limits))
         })
         .expect("plan")
@@ -522,8 +596,10 @@ mod tests {
     #[test]
     fn split_kv_waves_are_sized_for_the_device() {
         // 4 sequences x 8 KV heads = 32 decode programs, 8192 keys (64
-        // segments at most): as many segments as fill one wave.
-        let (q, params) = call(128, false, &[(1, 8192); 4]);
+        // segments at most): as many segments as fill one wave. Blocks of 8
+        // tokens: the unified kernel's decode instance (3 per Hopper SM, 2
+        // per A100 SM).
+        let (q, params) = call_with(128, false, 8, &[(1, 8192); 4]);
         let p = plan_on(&q, &params, &HOPPER).parts[0].expect("one part");
         assert_eq!(
             (p.kind, p.resident, p.segments),
@@ -534,42 +610,123 @@ mod tests {
             (p.kind, p.resident, p.segments),
             (Kind::Decode, 2, 216 / 32)
         );
+        // Blocks of 16: the stream-decode instance (3 per Hopper SM, 2 per
+        // A100 SM: 72,224 bytes of shared memory).
+        if stream_enabled() {
+            let (q, params) = call(128, false, &[(1, 8192); 4]);
+            let p = plan_on(&q, &params, &HOPPER).parts[0].expect("one part");
+            assert_eq!(
+                (p.kind, p.resident, p.segments),
+                (Kind::Stream, 3, 396 / 32)
+            );
+            let p = plan_on(&q, &params, &A100).parts[0].expect("one part");
+            assert_eq!(
+                (p.kind, p.resident, p.segments),
+                (Kind::Stream, 2, 216 / 32)
+            );
+        }
         // The plan sizes its waves with the figure it is given, not its own.
         let dims = params
             .validate(q.dtype(), q.shape(), q.device())
             .expect("valid");
-        let given = plan(&params, &dims, &HOPPER, &|_, _, _| Ok(1)).expect("plan");
+        let given = plan(&params, &dims, &HOPPER, true, &|_, _, _| Ok(1)).expect("plan");
         let p = given.parts[0].expect("one part");
         assert_eq!((p.resident, p.segments), (1, 132 / 32));
         // 64 sequences: 512 programs on 396 (Hopper) or 216 (A100) slots.
         // Hopper: 3 segments, 4 waves of 2731 + 128 keys (11,436), against
         // 2 waves of 8192 + 128 unsplit (16,640). A100: 2 segments, 5 waves
         // of 4096 + 128 (21,120), against 8 waves of 2731 + 128 (22,872).
-        let (q, params) = call(128, false, &[(1, 8192); 64]);
+        let (q, params) = call_with(128, false, 8, &[(1, 8192); 64]);
         let p = plan_on(&q, &params, &HOPPER).parts[0].expect("one part");
-        assert_eq!(p.segments, choose_segments(512, 396, 8192, 512));
+        assert_eq!(p.segments, choose_segments(512, 396, 8192, 512, 128));
         assert_eq!(p.segments, 3);
         let p = plan_on(&q, &params, &A100).parts[0].expect("one part");
-        assert_eq!(p.segments, choose_segments(512, 216, 8192, 512));
+        assert_eq!(p.segments, choose_segments(512, 216, 8192, 512, 128));
         assert_eq!(p.segments, 2);
     }
 
     #[test]
-    fn split_parts_merge_through_the_reduce_launch() {
+    fn split_parts_merge_by_kernel() {
         if std::env::var_os("CANDLE_PAGED_ATTENTION_SPLIT_MERGE").is_some() {
             eprintln!("skipped: CANDLE_PAGED_ATTENTION_SPLIT_MERGE overrides the default");
             return;
         }
-        // A split decode, and a mixed batch whose decode part splits.
+        // A split decode, and a mixed batch whose decode part splits: the
+        // unified kernel's decode parts (blocks of 8) merge through the
+        // reduce launch, stream-decode parts (blocks of 16) in their own.
         for seqs in [&[(1, 8192); 4][..], &[(1, 8192), (1, 4096), (300, 300)][..]] {
-            let (q, params) = call(128, false, seqs);
-            let plan = plan_on(&q, &params, &HOPPER);
-            for p in plan.parts.iter().flatten() {
-                assert_eq!(p.merge, Merge::Reduce, "{:?}", p.kind);
+            for (bs, kind, merge) in [
+                (8, Kind::Decode, Merge::Reduce),
+                (16, Kind::Stream, Merge::InLaunch),
+            ] {
+                if kind == Kind::Stream && !stream_enabled() {
+                    continue;
+                }
+                let (q, params) = call_with(128, false, bs, seqs);
+                let plan = plan_on(&q, &params, &HOPPER);
+                let d = plan.parts[0].expect("decode part");
+                assert_eq!((d.kind, d.merge), (kind, merge), "block size {bs}");
+                assert!(d.segments > 1, "{}", d.segments);
+                if let Some(p) = plan.parts[1] {
+                    assert_eq!((p.kind, p.merge), (Kind::Prefill, Merge::Reduce));
+                }
             }
-            let d = plan.parts[0].expect("decode part");
-            assert_eq!(d.kind, Kind::Decode);
-            assert!(d.segments > 1, "{}", d.segments);
+        }
+    }
+
+    #[test]
+    fn decodes_take_the_stream_instance_where_one_serves() {
+        if !stream_enabled() {
+            eprintln!("skipped: CANDLE_PAGED_ATTENTION_STREAM=0 turns the stream instances off");
+            return;
+        }
+        let decode = |head, fp8, bs, seqs: &[(u32, u32)], aligned| {
+            let (q, params) = call_with(head, fp8, bs, seqs);
+            let dims = params
+                .validate(q.dtype(), q.shape(), q.device())
+                .expect("valid call");
+            let pl = plan(&params, &dims, &HOPPER, aligned, &|_, tile, head| {
+                Ok(resident_programs(tile, head, fp8, &HOPPER))
+            })
+            .expect("plan");
+            let p = pl.parts[0].expect("a part");
+            (p.kind, p.tile.rows(), pl.instance(&p, "bf16", fp8).name)
+        };
+        let one = [(1, 1000); 3];
+        // Head sizes 64, 128, 256 (padded: 80 and 100 too), 16-bit or fp8.
+        for (head, padded) in [(64, 64), (128, 128), (256, 256), (80, 128), (96, 128)] {
+            for fp8 in [false, true] {
+                let (kind, rows, name) = decode(head, fp8, 16, &one, true);
+                let cache = if fp8 { "_fp8" } else { "" };
+                assert_eq!(
+                    (kind, rows, name),
+                    (
+                        Kind::Stream,
+                        8,
+                        format!("unified_attention_h{padded}_stream_r8_bf16{cache}")
+                    ),
+                    "head {head}"
+                );
+            }
+        }
+        // Blocks of 32 too; spans of 2 and 3 tokens (x 4 heads) take 16 rows.
+        assert_eq!(decode(128, false, 32, &one, true).0, Kind::Stream);
+        assert_eq!(decode(128, false, 16, &[(2, 500), (1, 90)], true).1, 8);
+        assert_eq!(decode(128, false, 16, &[(3, 500), (1, 90)], true).1, 16);
+        // Not for: head size 32, blocks of 8, unaligned tensors, an fp8
+        // cache of head size 72 (no 16-byte loads), 16 rows at head size 256.
+        for (head, fp8, bs, seqs, aligned) in [
+            (32, false, 16, &one[..], true),
+            (128, false, 8, &one[..], true),
+            (128, false, 16, &one[..], false),
+            (72, true, 16, &one[..], true),
+            (256, false, 16, &[(3, 500)][..], true),
+        ] {
+            assert_eq!(
+                decode(head, fp8, bs, seqs, aligned).0,
+                Kind::Decode,
+                "head {head} bs {bs}"
+            );
         }
     }
 
@@ -582,7 +739,7 @@ mod tests {
             .validate(q.dtype(), q.shape(), q.device())
             .expect("valid");
         let rows_with = |resident: usize| {
-            let pl = plan(&params, &dims, &HOPPER, &|_, _, _| Ok(resident)).expect("plan");
+            let pl = plan(&params, &dims, &HOPPER, true, &|_, _, _| Ok(resident)).expect("plan");
             let p = pl.parts[0].expect("one part");
             assert_eq!(p.kind, Kind::Prefill);
             p.tile.rows()
@@ -597,30 +754,32 @@ mod tests {
         // Head 128, bf16: 512 bytes per key, the overhead is 128 keys.
         let h128 = 512;
         // One long decode: split until the GPU is full (49 x 8 = 392 of 396).
-        assert_eq!(choose_segments(8, 396, 32768, h128), 49);
+        assert_eq!(choose_segments(8, 396, 32768, h128, 128), 49);
         // Short context: capped at one segment per 128 keys.
-        assert_eq!(choose_segments(8, 396, 1024, h128), 8);
-        assert_eq!(choose_segments(8, 396, 100, h128), 1);
+        assert_eq!(choose_segments(8, 396, 1024, h128, 128), 8);
+        assert_eq!(choose_segments(8, 396, 100, h128, 128), 1);
         // 16 x 8 programs at 1024 keys: 3 segments still fit one wave.
-        assert_eq!(choose_segments(128, 396, 1024, h128), 3);
+        assert_eq!(choose_segments(128, 396, 1024, h128, 128), 3);
         // 256 x 8 programs at 1024 keys: 6 waves of 1024 + 128 keys
         // (6,912) beat 11 waves of 512 + 128 (7,040): no split.
-        assert_eq!(choose_segments(2048, 396, 1024, h128), 1);
+        assert_eq!(choose_segments(2048, 396, 1024, h128, 128), 1);
         // 256 x 8 programs at 8192 keys: 4 segments (21 waves of 2048 + 128,
         // 45,696) beat the unsplit 6 waves of 8192 + 128 (49,920).
-        assert_eq!(choose_segments(2048, 396, 8192, h128), 4);
+        assert_eq!(choose_segments(2048, 396, 8192, h128, 128), 4);
         // Already many full waves: no split.
-        assert_eq!(choose_segments(396 * 8, 396, 8192, h128), 1);
+        assert_eq!(choose_segments(396 * 8, 396, 8192, h128, 128), 1);
         // No keys: one segment.
-        assert_eq!(choose_segments(8, 396, 0, h128), 1);
+        assert_eq!(choose_segments(8, 396, 0, h128, 128), 1);
+        // Stream decode: down to 64 keys a segment (b1 L1k: 16 per program).
+        assert_eq!(choose_segments(8, 396, 1024, h128, 64), 16);
         // Head 64 (256 bytes per key, the overhead is 256 keys), 64 x 3
         // programs at 2048 keys on 528 slots: 2 segments in one wave
         // (1024 + 256) beat 5 in two waves (2 x (410 + 256)).
-        assert_eq!(choose_segments(192, 528, 2048, 256), 2);
+        assert_eq!(choose_segments(192, 528, 2048, 256, 128), 2);
         // Head 256 (1 KiB per key, the overhead is 64 keys), 64 x 4
         // programs on 132 slots, a 1024-key window: no split (2 waves of
         // 1024 + 64 against 4 of 512 + 64).
-        assert_eq!(choose_segments(256, 132, 1024, 1024), 1);
+        assert_eq!(choose_segments(256, 132, 1024, 1024, 128), 1);
     }
 
     #[test]

@@ -21,6 +21,10 @@ pub(crate) enum Kind {
     /// when the launch has less than a wave of programs and for head sizes
     /// above 128. One warp per key tile.
     Prefill,
+    /// Stream decode (kernels/stream_decode.cu): 8 or 16 packed rows, 4
+    /// warps each streaming its own 16-key steps from the cache into
+    /// registers; split-KV partials merged in the launch.
+    Stream,
 }
 
 impl Kind {
@@ -28,6 +32,7 @@ impl Kind {
         match self {
             Kind::Decode => "decode",
             Kind::Prefill => "prefill",
+            Kind::Stream => "stream",
         }
     }
 }
@@ -63,6 +68,13 @@ pub(crate) struct TileShape {
     /// Hopper warpgroup MMAs over 128-byte-swizzled tiles: an instance of
     /// the sm_90a module (see [`wgmma_tile`]).
     pub(crate) wgmma: bool,
+    /// Packed rows of one MMA tile: 16, or 8 for the stream-decode
+    /// instances, whose rows are the N dimension of transposed products.
+    pub(crate) tile_rows: usize,
+    /// K and V streamed into registers: an instance of the stream-decode
+    /// module (see [`stream_tile`]), whose shared memory holds only Q and
+    /// the merge of its warps.
+    pub(crate) registers: bool,
 }
 
 impl TileShape {
@@ -72,7 +84,7 @@ impl TileShape {
     }
     /// Packed rows per program.
     pub(crate) fn rows(&self) -> usize {
-        16 * self.m_tiles * self.warps_m
+        self.tile_rows * self.m_tiles * self.warps_m
     }
     /// Keys per tile.
     pub(crate) fn keys(&self) -> usize {
@@ -82,9 +94,12 @@ impl TileShape {
 
 /// The instance a launch of `kind` uses for padded head size `head`.
 /// `small`: a prefill launch with less than a wave of 128-row programs,
-/// which then takes 64-row ones (twice the programs) where both exist.
+/// which then takes 64-row ones (twice the programs) where both exist; for
+/// `Kind::Stream`, the 8-row shape instead of the 16-row one (whether an
+/// instance exists for `head` is [`stream_tile`]'s answer).
 pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
     match kind {
+        Kind::Stream => stream_shape(if small { 8 } else { 16 }),
         Kind::Decode => TileShape {
             warps_m: 1,
             warps_n: 4,
@@ -98,6 +113,8 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
             },
             suffix: "",
             wgmma: false,
+            tile_rows: 16,
+            registers: false,
         },
         Kind::Prefill => {
             let two_tiles = head <= 128 && !small;
@@ -110,6 +127,8 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
                 max_resident: 2,
                 suffix: if head <= 128 && small { "_m1" } else { "" },
                 wgmma: false,
+                tile_rows: 16,
+                registers: false,
             }
         }
     }
@@ -134,7 +153,54 @@ pub(crate) fn wgmma_tile(head: usize, small: bool) -> Option<TileShape> {
         max_resident: if head <= 128 { 2 } else { 1 },
         suffix: if small { "_wg_m1" } else { "_wg" },
         wgmma: true,
+        tile_rows: 16,
+        registers: false,
     })
+}
+
+/// Padded head sizes with stream-decode instances.
+pub(crate) const STREAM_HEAD_SIZES: [usize; 3] = [64, 128, 256];
+
+/// Packed rows of the stream-decode instances: one or two 8-row tiles.
+pub(crate) const STREAM_ROWS: [usize; 2] = [8, 16];
+
+/// The stream-decode instance for padded head size `head` with `rows` (8 or
+/// 16) packed rows, if there is one (none for 16 rows at head size 256):
+/// 4 warps, each with its own ring of 16-key steps in shared memory
+/// ([`stream_depth`] stages; `stages` is unused). Registers allow 3
+/// programs per SM (2 for 16 rows at head size 128 and at head size 256;
+/// as compiled for sm_90a), shared memory 3 or more (head size 256: 1 over
+/// a 16-bit cache, 2 over fp8). Compiled for every target
+/// (kernels/stream_decode.cu); used for decode-shaped launches whose block
+/// size is a multiple of 16 and whose loads can be 16 bytes wide.
+pub(crate) fn stream_tile(head: usize, rows: usize) -> Option<TileShape> {
+    let exists = STREAM_HEAD_SIZES.contains(&head)
+        && STREAM_ROWS.contains(&rows)
+        && !(head == 256 && rows == 16);
+    exists.then(|| TileShape {
+        max_resident: if head == 256 || (head == 128 && rows == 16) {
+            2
+        } else {
+            3
+        },
+        ..stream_shape(rows)
+    })
+}
+
+/// The stream-decode program shape with `rows` (8 or 16) packed rows.
+fn stream_shape(rows: usize) -> TileShape {
+    TileShape {
+        warps_m: 1,
+        warps_n: 4,
+        keys_per_warp: 16,
+        m_tiles: rows / 8,
+        stages: 0,
+        max_resident: 2,
+        suffix: if rows == 8 { "_r8" } else { "_r16" },
+        wgmma: false,
+        tile_rows: 8,
+        registers: true,
+    }
 }
 
 /// Dynamic shared memory of one instance; mirrors `Smem` in
@@ -142,6 +208,9 @@ pub(crate) fn wgmma_tile(head: usize, small: bool) -> Option<TileShape> {
 /// rows, plus 1024 bytes to align their tiles).
 pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     let dv = head.min(256);
+    if tile.registers {
+        return stream_smem_bytes(tile, head, fp8);
+    }
     let (bm, bn, st) = (tile.rows(), tile.keys(), tile.stages);
     let pad = if tile.wgmma { 0 } else { 8 };
     let (qs, ks, vs, cs) = (head + pad, head + pad, dv + pad, dv + 8);
@@ -156,6 +225,38 @@ pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     let merge = tile.warps_n * bm * cs * 4;
     let align = if tile.wgmma { 1024 } else { 0 };
     align + q + red + offsets + tiles.max(merge)
+}
+
+/// Dynamic shared memory of a stream-decode instance (mirrors
+/// `StreamProgram::SMEM` in kernels/stream_decode.cu, whose `CPA_STREAM`
+/// macros assert that both agree): Q `[rows][head + 16]` 16-bit, the row
+/// scales, the warps' row maxima and sums, then the larger of the warps'
+/// rescaled accumulators `[warps][rows][dv + 4]` f32 and their rings of
+/// [`stream_depth`] stages (one 16-key step each: 16 key rows and 16 value
+/// rows, padded).
+fn stream_smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
+    let dv = head.min(256);
+    let (rows, warps) = (tile.rows(), tile.warps_n);
+    let ring = warps * stream_depth(head, fp8) * stream_stage_bytes(head, fp8);
+    let merge = warps * rows * (dv + 4) * 4;
+    rows * (head + 16) * 2 + rows * 4 + 2 * warps * rows * 4 + ring.max(merge)
+}
+
+/// Bytes of one stage of a stream-decode warp's ring: 16 key rows and 16
+/// value rows, each padded by 16 bytes.
+fn stream_stage_bytes(head: usize, fp8: bool) -> usize {
+    let elem = if fp8 { 1 } else { 2 };
+    16 * (head * elem + 16 + head.min(256) * elem + 16)
+}
+
+/// Stages in flight per stream-decode warp: 2 (3 at head size 256, whose
+/// programs run one or two per SM).
+pub(crate) fn stream_depth(head: usize, _fp8: bool) -> usize {
+    if head <= 128 {
+        2
+    } else {
+        3
+    }
 }
 
 /// The kernel name of a tensor-core instance,

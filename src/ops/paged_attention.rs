@@ -212,11 +212,12 @@ impl CustomOp1 for PagedAttention<'_> {
 }
 
 /// How the CUDA path launches `paged_attention(q, params)`, in words: the
-/// tile shape of each launch (`decode`: 16 packed query rows per program,
+/// tile shape of each launch (`stream`: stream decode, 8 or 16 packed query
+/// rows per program; `decode`: the unified kernel's 16-row decode programs;
 /// `prefill`: 128 or 64, `prefill-wgmma`: 128 rows with Hopper's warpgroup
 /// MMAs), its split-KV segments and who merges them, e.g.
-/// `"decode split-kv(3) + reduce"` or `"decode split-kv(4) + reduce +
-/// prefill"`. For
+/// `"stream split-kv(16)"`, `"decode split-kv(3) + reduce"` or
+/// `"stream split-kv(4) + prefill-wgmma"`. For
 /// benchmarks and logs; `q` is `(num_tokens, num_heads, head_size)` on a
 /// CUDA device.
 #[cfg(feature = "cuda")]

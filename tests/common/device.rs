@@ -17,9 +17,15 @@
 //!   launches on the mma.sync instances on a device of compute capability
 //!   9.0 (where they take the warpgroup ones by default): run the suite
 //!   once with it there to cover both.
-//! * optionally `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch`, which has split
-//!   decode launches merge their own partials instead of the reduce launch
-//!   doing it: run the split tests once with it to cover both merges.
+//! * optionally `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch` or `reduce`,
+//!   which forces who merges the partials of split decode launches (by
+//!   default the reduce launch for the unified kernel's decode instances,
+//!   the launch itself for the stream-decode ones): run the split tests once
+//!   with each to cover both merges of both kernels.
+//! * optionally `CANDLE_PAGED_ATTENTION_STREAM=0`, which keeps decode
+//!   launches on the unified kernel's decode instances (by default decodes
+//!   of padded head size 64, 128 or 256 over blocks of a multiple of 16 take
+//!   the stream-decode ones): run the suite once with it to cover both.
 
 use anyhow::{bail, Result};
 use candle_core::Device;
