@@ -162,7 +162,7 @@ impl AttnModule {
     pub(crate) fn of(tile: &tiles::TileShape) -> Self {
         if tile.wgmma {
             Self::Sm90a
-        } else if tile.registers {
+        } else if tile.stream {
             Self::Stream
         } else {
             Self::Unified

@@ -196,11 +196,15 @@ pub(super) fn plan(
     let prefill = if small { narrow } else { wide };
     // The decode-shaped launch: a stream-decode instance where one serves
     // the call (`stream_decode_tile`), else the unified kernel's.
-    let decode_span = (0..n)
-        .map(|i| host.q_len(i))
-        .filter(|&q| q <= fits)
-        .max()
-        .unwrap_or(1);
+    let decode_span = if host.max_seqlen_q() <= fits {
+        host.max_seqlen_q().max(1)
+    } else {
+        (0..n)
+            .map(|i| host.q_len(i))
+            .filter(|&q| q <= fits)
+            .max()
+            .unwrap_or(1)
+    };
     let decode_part = |q_lens| match stream_decode_tile(params, dims, head, decode_span, aligned) {
         Some(tile) => part(Kind::Stream, tile, dims, n, q_lens),
         None => part(Kind::Decode, decode, dims, n, q_lens),
@@ -305,7 +309,7 @@ fn stream_decode_tile(
     span: usize,
     aligned: bool,
 ) -> Option<TileShape> {
-    let fp8 = params.key_cache.dtype().size_in_bytes() == 1;
+    let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
     let loads = aligned && dims.head_size.is_multiple_of(if fp8 { 16 } else { 8 });
     if !stream_enabled() || !loads || !dims.block_size.is_multiple_of(16) {
         return None;
@@ -599,32 +603,32 @@ mod tests {
         // segments at most): as many segments as fill one wave. Blocks of 8
         // tokens: the unified kernel's decode instance (3 per Hopper SM, 2
         // per A100 SM).
-        let (q, params) = call_with(128, false, 8, &[(1, 8192); 4]);
-        let p = plan_on(&q, &params, &HOPPER).parts[0].expect("one part");
-        assert_eq!(
-            (p.kind, p.resident, p.segments),
-            (Kind::Decode, 3, 396 / 32)
-        );
-        let p = plan_on(&q, &params, &A100).parts[0].expect("one part");
-        assert_eq!(
-            (p.kind, p.resident, p.segments),
-            (Kind::Decode, 2, 216 / 32)
-        );
         // Blocks of 16: the stream-decode instance (3 per Hopper SM, 2 per
         // A100 SM: 72,224 bytes of shared memory).
-        if stream_enabled() {
-            let (q, params) = call(128, false, &[(1, 8192); 4]);
-            let p = plan_on(&q, &params, &HOPPER).parts[0].expect("one part");
+        let stream = [
+            (16, Kind::Stream, &HOPPER, 3, 396 / 32),
+            (16, Kind::Stream, &A100, 2, 216 / 32),
+        ];
+        let unified = [
+            (8, Kind::Decode, &HOPPER, 3, 396 / 32),
+            (8, Kind::Decode, &A100, 2, 216 / 32),
+        ];
+        let cases = if stream_enabled() {
+            [unified, stream].concat()
+        } else {
+            unified.to_vec()
+        };
+        for (bs, kind, limits, resident, segments) in cases {
+            let (q, params) = call_with(128, false, bs, &[(1, 8192); 4]);
+            let p = plan_on(&q, &params, limits).parts[0].expect("one part");
             assert_eq!(
                 (p.kind, p.resident, p.segments),
-                (Kind::Stream, 3, 396 / 32)
-            );
-            let p = plan_on(&q, &params, &A100).parts[0].expect("one part");
-            assert_eq!(
-                (p.kind, p.resident, p.segments),
-                (Kind::Stream, 2, 216 / 32)
+                (kind, resident, segments),
+                "blocks of {bs}, {} SMs",
+                limits.sms
             );
         }
+        let (q, params) = call_with(128, false, 8, &[(1, 8192); 4]);
         // The plan sizes its waves with the figure it is given, not its own.
         let dims = params
             .validate(q.dtype(), q.shape(), q.device())

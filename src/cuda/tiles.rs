@@ -22,8 +22,8 @@ pub(crate) enum Kind {
     /// above 128. One warp per key tile.
     Prefill,
     /// Stream decode (kernels/stream_decode.cu): 8 or 16 packed rows, 4
-    /// warps each streaming its own 16-key steps from the cache into
-    /// registers; split-KV partials merged in the launch.
+    /// warps each streaming its own 16-key steps through a ring of
+    /// shared-memory stages; split-KV partials merged in the launch.
     Stream,
 }
 
@@ -71,10 +71,9 @@ pub(crate) struct TileShape {
     /// Packed rows of one MMA tile: 16, or 8 for the stream-decode
     /// instances, whose rows are the N dimension of transposed products.
     pub(crate) tile_rows: usize,
-    /// K and V streamed into registers: an instance of the stream-decode
-    /// module (see [`stream_tile`]), whose shared memory holds only Q and
-    /// the merge of its warps.
-    pub(crate) registers: bool,
+    /// A stream-decode instance (see [`stream_tile`]): of the stream-decode
+    /// module, its shared memory laid out by `stream_smem_bytes`.
+    pub(crate) stream: bool,
 }
 
 impl TileShape {
@@ -99,7 +98,7 @@ impl TileShape {
 /// instance exists for `head` is [`stream_tile`]'s answer).
 pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
     match kind {
-        Kind::Stream => stream_shape(if small { 8 } else { 16 }),
+        Kind::Stream => stream_shape(head, if small { 8 } else { 16 }),
         Kind::Decode => TileShape {
             warps_m: 1,
             warps_n: 4,
@@ -114,7 +113,7 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
             suffix: "",
             wgmma: false,
             tile_rows: 16,
-            registers: false,
+            stream: false,
         },
         Kind::Prefill => {
             let two_tiles = head <= 128 && !small;
@@ -128,7 +127,7 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
                 suffix: if head <= 128 && small { "_m1" } else { "" },
                 wgmma: false,
                 tile_rows: 16,
-                registers: false,
+                stream: false,
             }
         }
     }
@@ -154,7 +153,7 @@ pub(crate) fn wgmma_tile(head: usize, small: bool) -> Option<TileShape> {
         suffix: if small { "_wg_m1" } else { "_wg" },
         wgmma: true,
         tile_rows: 16,
-        registers: false,
+        stream: false,
     })
 }
 
@@ -177,29 +176,27 @@ pub(crate) fn stream_tile(head: usize, rows: usize) -> Option<TileShape> {
     let exists = STREAM_HEAD_SIZES.contains(&head)
         && STREAM_ROWS.contains(&rows)
         && !(head == 256 && rows == 16);
-    exists.then(|| TileShape {
-        max_resident: if head == 256 || (head == 128 && rows == 16) {
-            2
-        } else {
-            3
-        },
-        ..stream_shape(rows)
-    })
+    exists.then(|| stream_shape(head, rows))
 }
 
-/// The stream-decode program shape with `rows` (8 or 16) packed rows.
-fn stream_shape(rows: usize) -> TileShape {
+/// The stream-decode program shape with `rows` (8 or 16) packed rows at
+/// padded head size `head` (see [`stream_tile`] for the residency).
+fn stream_shape(head: usize, rows: usize) -> TileShape {
     TileShape {
         warps_m: 1,
         warps_n: 4,
         keys_per_warp: 16,
         m_tiles: rows / 8,
         stages: 0,
-        max_resident: 2,
+        max_resident: if head == 256 || (head == 128 && rows == 16) {
+            2
+        } else {
+            3
+        },
         suffix: if rows == 8 { "_r8" } else { "_r16" },
         wgmma: false,
         tile_rows: 8,
-        registers: true,
+        stream: true,
     }
 }
 
@@ -208,7 +205,7 @@ fn stream_shape(rows: usize) -> TileShape {
 /// rows, plus 1024 bytes to align their tiles).
 pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     let dv = head.min(256);
-    if tile.registers {
+    if tile.stream {
         return stream_smem_bytes(tile, head, fp8);
     }
     let (bm, bn, st) = (tile.rows(), tile.keys(), tile.stages);
@@ -237,7 +234,7 @@ pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
 fn stream_smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     let dv = head.min(256);
     let (rows, warps) = (tile.rows(), tile.warps_n);
-    let ring = warps * stream_depth(head, fp8) * stream_stage_bytes(head, fp8);
+    let ring = warps * stream_depth(head) * stream_stage_bytes(head, fp8);
     let merge = warps * rows * (dv + 4) * 4;
     rows * (head + 16) * 2 + rows * 4 + 2 * warps * rows * 4 + ring.max(merge)
 }
@@ -251,7 +248,7 @@ fn stream_stage_bytes(head: usize, fp8: bool) -> usize {
 
 /// Stages in flight per stream-decode warp: 2 (3 at head size 256, whose
 /// programs run one or two per SM).
-pub(crate) fn stream_depth(head: usize, _fp8: bool) -> usize {
+fn stream_depth(head: usize) -> usize {
     if head <= 128 {
         2
     } else {
