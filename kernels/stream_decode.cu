@@ -165,11 +165,15 @@ struct StreamProgram {
   static constexpr int VROW = VBYTES + 16;
   static constexpr int STAGE = 16 * (KROW + VROW);
   // Stages per warp: 2 (3 programs of 4 warps per SM hold 12 warps' rings
-  // and keep up to 2 steps of each in flight); head size 256: 3.
-  static constexpr int DEPTH = HEAD <= 128 ? 2 : 3;
+  // and keep up to 2 steps of each in flight); head size 256: 3 over fp8,
+  // 1 over a 16-bit cache, whose 16.9 KB steps would let a ring of 2 or
+  // more hold one program per SM, with nothing to overlap its start and its
+  // merge (two programs of 4 warps, one step in flight each, keep 135 KB of
+  // an SM in flight), and not fit an A100's 163 KiB per program.
+  static constexpr int DEPTH = HEAD <= 128 ? 2 : FP8 ? 3 : 1;
   // Programs per SM the instance is compiled for (registers per thread:
-  // at most 170 for 3, 255 for 2 or 1).
-  static constexpr int MIN_PROGRAMS = HEAD <= 128 && NR == 1 ? 3 : HEAD <= 128 ? 2 : 1;
+  // at most 168 for 3, 255 for 2).
+  static constexpr int MIN_PROGRAMS = HEAD <= 128 && NR == 1 ? 3 : 2;
   // Shared memory (bytes): Q [ROWS][QS] in the k-step order, the per-row
   // score scales, the warps' row maxima and sums, then the warps' rings,
   // over which the merge reuses the space for their rescaled accumulators

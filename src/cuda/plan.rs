@@ -205,10 +205,11 @@ pub(super) fn plan(
             .max()
             .unwrap_or(1)
     };
-    let decode_part = |q_lens| match stream_decode_tile(params, dims, head, decode_span, aligned) {
-        Some(tile) => part(Kind::Stream, tile, dims, n, q_lens),
-        None => part(Kind::Decode, decode, dims, n, q_lens),
-    };
+    let decode_part =
+        |q_lens| match stream_decode_tile(params, dims, head, decode_span, aligned, limits) {
+            Some(tile) => part(Kind::Stream, tile, dims, n, q_lens),
+            None => part(Kind::Decode, decode, dims, n, q_lens),
+        };
     let parts = if host.max_seqlen_q() <= fits {
         [Some(decode_part(all)), None]
     } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
@@ -234,7 +235,14 @@ pub(super) fn plan(
         let keys = params.sliding_window.map_or(max_keys, |w| w.min(max_keys));
         // A stream-decode segment can be one 16-key step per warp.
         let segment_keys = if p.kind == Kind::Stream { 64 } else { 128 };
-        choose_segments(active, slots, keys, key_bytes, segment_keys)
+        let segments = choose_segments(active, slots, keys, key_bytes, segment_keys);
+        // A stream-decode split of one wave: at most two programs per SM
+        // (`ONE_WAVE_STREAM_PROGRAMS`).
+        if p.kind == Kind::Stream && segments > 1 && active * segments <= slots {
+            let one_wave = sms * p.resident.min(ONE_WAVE_STREAM_PROGRAMS);
+            return choose_segments(active, one_wave, keys, key_bytes, segment_keys);
+        }
+        segments
     };
     let mut ws_seq_rows = 0;
     match (params.kv_split, &mut parts) {
@@ -300,14 +308,16 @@ pub(super) fn plan(
 /// the head size has an instance, the block size is a multiple of 16 (a
 /// warp step of 16 keys lies in one block), the query and caches are
 /// `aligned` and the head size allows 16-byte loads (a multiple of 8, of 16
-/// over an fp8 cache). 8 packed rows when the span's rows (times the query
-/// heads of a KV group) fit them, else 16 (none at head size 256).
+/// over an fp8 cache), and the device allows the instance's shared memory
+/// per program. 8 packed rows when the span's rows (times the query heads
+/// of a KV group) fit them, else 16 (none at head size 256).
 fn stream_decode_tile(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
     head: usize,
     span: usize,
     aligned: bool,
+    limits: &DeviceLimits,
 ) -> Option<TileShape> {
     let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
     let loads = aligned && dims.head_size.is_multiple_of(if fp8 { 16 } else { 8 });
@@ -320,7 +330,7 @@ fn stream_decode_tile(
     } else {
         16
     };
-    stream_tile(head, rows)
+    stream_tile(head, rows).filter(|tile| smem_bytes(tile, head, fp8) <= limits.max_smem_per_block)
 }
 
 /// False under `CANDLE_PAGED_ATTENTION_STREAM=0`, which keeps decode-shaped
@@ -396,6 +406,15 @@ pub(super) fn resident_programs(
 /// against 727.3 µs unsplit; the head-64 and head-256 cases followed the
 /// same figure in bytes, not in keys.
 const SEGMENT_OVERHEAD_BYTES: usize = 64 << 10;
+
+/// Programs per SM that a stream-decode split of one wave is sized for:
+/// past two, the last program of each group merges more segments (in
+/// batches of 16, one round trip through L2 each) than the shorter
+/// segments save. Measured on an H200 (docs/perf.md, version 8) with
+/// forced counts: b1 L32k 55.4 µs in 32 segments (256 programs) against
+/// 58.4 in 49 (392); b1 L8k 25.9 against 29.2; b16 L1k 36.1 in 2 against
+/// 36.6 in 3.
+const ONE_WAVE_STREAM_PROGRAMS: usize = 2;
 
 /// Segments per program for `active` programs that see up to `keys` keys of
 /// `key_bytes` bytes (K and V) each, on `slots` resident programs: the
@@ -595,6 +614,15 @@ mod tests {
         // Decode h256 (145,152 bytes): one program on either.
         assert_eq!(resident_programs(&decode(256), 256, false, &HOPPER), 1);
         assert_eq!(resident_programs(&decode(256), 256, false, &A100), 1);
+        // Stream decode h256, 8 rows: one stage of 16.9 KB per warp over
+        // bf16 (72,224 bytes), three of 8.7 KB over fp8 (109,088); the
+        // register bound (2) on Hopper, shared memory on an A100.
+        let stream = stream_tile(256, 8).expect("an h256 stream instance");
+        for (fp8, bytes, a100) in [(false, 72_224, 2), (true, 109_088, 1)] {
+            assert_eq!(smem_bytes(&stream, 256, fp8), bytes);
+            assert_eq!(resident_programs(&stream, 256, fp8, &HOPPER), 2);
+            assert_eq!(resident_programs(&stream, 256, fp8, &A100), a100);
+        }
     }
 
     #[test]
@@ -604,9 +632,10 @@ mod tests {
         // tokens: the unified kernel's decode instance (3 per Hopper SM, 2
         // per A100 SM).
         // Blocks of 16: the stream-decode instance (3 per Hopper SM, 2 per
-        // A100 SM: 72,224 bytes of shared memory).
+        // A100 SM: 72,224 bytes of shared memory), whose split of one wave
+        // is sized for 2 programs per SM.
         let stream = [
-            (16, Kind::Stream, &HOPPER, 3, 396 / 32),
+            (16, Kind::Stream, &HOPPER, 3, 264 / 32),
             (16, Kind::Stream, &A100, 2, 216 / 32),
         ];
         let unified = [
@@ -731,6 +760,21 @@ mod tests {
                 Kind::Decode,
                 "head {head} bs {bs}"
             );
+        }
+        // Nor where the device allows less shared memory per program than
+        // the instance needs: 99 KiB (compute capability 8.9) holds the
+        // head-256 instance over bf16 (72,224 bytes), not over fp8
+        // (109,088), whose decodes take the unified kernel's instance.
+        let sm89 = DeviceLimits {
+            sms: 58,
+            max_smem_per_block: 99 * 1024,
+            smem_per_sm: 100 * 1024,
+            ..A100
+        };
+        for (fp8, kind) in [(false, Kind::Stream), (true, Kind::Decode)] {
+            let (q, params) = call(256, fp8, &one);
+            let p = plan_on(&q, &params, &sm89).parts[0].expect("a part");
+            assert_eq!(p.kind, kind, "fp8 {fp8}");
         }
     }
 

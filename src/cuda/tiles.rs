@@ -168,7 +168,7 @@ pub(crate) const STREAM_ROWS: [usize; 2] = [8, 16];
 /// 4 warps, each with its own ring of 16-key steps in shared memory
 /// ([`stream_depth`] stages; `stages` is unused). Registers allow 3
 /// programs per SM (2 for 16 rows at head size 128 and at head size 256;
-/// as compiled for sm_90a), shared memory 3 or more (head size 256: 1 over
+/// as compiled for sm_90a), shared memory 3 or more (head size 256: 3 over
 /// a 16-bit cache, 2 over fp8). Compiled for every target
 /// (kernels/stream_decode.cu); used for decode-shaped launches whose block
 /// size is a multiple of 16 and whose loads can be 16 bytes wide.
@@ -234,7 +234,7 @@ pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
 fn stream_smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     let dv = head.min(256);
     let (rows, warps) = (tile.rows(), tile.warps_n);
-    let ring = warps * stream_depth(head) * stream_stage_bytes(head, fp8);
+    let ring = warps * stream_depth(head, fp8) * stream_stage_bytes(head, fp8);
     let merge = warps * rows * (dv + 4) * 4;
     rows * (head + 16) * 2 + rows * 4 + 2 * warps * rows * 4 + ring.max(merge)
 }
@@ -246,13 +246,15 @@ fn stream_stage_bytes(head: usize, fp8: bool) -> usize {
     16 * (head * elem + 16 + head.min(256) * elem + 16)
 }
 
-/// Stages in flight per stream-decode warp: 2 (3 at head size 256, whose
-/// programs run one or two per SM).
-fn stream_depth(head: usize) -> usize {
-    if head <= 128 {
-        2
-    } else {
-        3
+/// Stages in flight per stream-decode warp: 2; at head size 256, 3 over an
+/// fp8 cache and 1 over a 16-bit one (either way two programs per Hopper
+/// SM; a 16-bit ring of 2 or more would hold one, whose start and merge
+/// nothing overlaps, and not fit an A100's 163 KiB per program).
+fn stream_depth(head: usize, fp8: bool) -> usize {
+    match (head <= 128, fp8) {
+        (true, _) => 2,
+        (false, true) => 3,
+        (false, false) => 1,
     }
 }
 
