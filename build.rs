@@ -112,7 +112,11 @@ mod cuda {
         Ok(())
     }
 
-    const HEADERS: [&str; 2] = ["kernels/common.cuh", "kernels/attention_params.cuh"];
+    const HEADERS: [&str; 3] = [
+        "kernels/common.cuh",
+        "kernels/attention_params.cuh",
+        "kernels/attention_rows.cuh",
+    ];
 
     pub fn build() -> anyhow::Result<()> {
         println!("cargo:rerun-if-changed=kernels");
