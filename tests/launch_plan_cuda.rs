@@ -201,3 +201,70 @@ cuda_test! {
         Ok(())
     }
 }
+
+cuda_test! {
+    /// A mixed batch (a split decode launch and a prefill launch, which
+    /// under `CANDLE_PAGED_ATTENTION_OVERLAP=1` runs on the device's side
+    /// stream beside it, forked and joined inside the capture) captured in
+    /// a CUDA graph the way the engine and the benchmark capture (cudarc's
+    /// event tracking off: an event recorded before a capture may not be
+    /// waited on inside it): one replay writes exactly what the eager call
+    /// wrote, and the eager call matches the reference; over a 16-bit cache
+    /// with sinks, and over an fp8 cache with a window.
+    fn mixed_batches_replay_in_a_cuda_graph(dev: &Device) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys::{
+            CUgraphInstantiate_flags, CUstreamCaptureMode,
+        };
+        let Device::Cuda(cuda) = dev else {
+            anyhow::bail!("a cuda device expected, got {:?}", dev.location());
+        };
+        let mut seqs = vec![(1, 2000); 40];
+        seqs.insert(5, (200, 700));
+        seqs.push((90, 90));
+        let cases = [
+            Case::new(&seqs, (16, 4), 128, 16, DType::BF16).with_sinks(true).with_seed(31),
+            Case::new(&seqs, (8, 2), 64, 16, DType::F16)
+                .with_fp8_cache(true)
+                .with_window(Some(256))
+                .with_seed(32),
+        ];
+        let as_f32 = |t: &candle_core::Tensor| -> Result<Vec<f32>> {
+            Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        };
+        for case in &cases {
+            check_case(case, dev)?;
+            let inputs = case.build(dev)?;
+            let params = case.params(&inputs);
+            let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &params)?;
+            ensure!(plan.contains(" + prefill"), "{plan}");
+            let eager = as_f32(&candle_paged_attention::paged_attention(&inputs.q, &params)?)?;
+            let stream = cuda.cuda_stream();
+            let ctx = stream.context();
+            stream.synchronize()?;
+            // SAFETY: as in the engine's capture: the forward runs on this
+            // one stream (and the side stream it forks and joins), and the
+            // tracking is back on before the output is read.
+            unsafe { ctx.disable_event_tracking() };
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let captured = candle_paged_attention::paged_attention(&inputs.q, &params);
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+            let launched = graph.map(|g| g.map(|g| (g.launch(), g)));
+            stream.synchronize()?;
+            // SAFETY: the stream is idle (synchronized above).
+            unsafe { ctx.enable_event_tracking() };
+            let out = captured?;
+            let (launch, _graph) =
+                launched?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?;
+            launch?;
+            let replayed = as_f32(&out)?;
+            ensure!(replayed.len() == eager.len(), "{} vs {}", replayed.len(), eager.len());
+            let differ = eager
+                .iter()
+                .zip(&replayed)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            ensure!(differ == 0, "{plan}: {differ} of {} elements differ", eager.len());
+        }
+        Ok(())
+    }
+}

@@ -20,7 +20,18 @@
 //!   (stream decode where `plan` finds an instance for the call); longer
 //!   ones run prefill-shaped programs of 128 rows (64 when that launch has
 //!   less than a wave of programs, and for head sizes above 128). A batch
-//!   that mixes both is two launches.
+//!   that mixes both is two launches, one after the other on the device's
+//!   stream. With `CANDLE_PAGED_ATTENTION_OVERLAP=1` they overlap: the
+//!   prefill launch runs on the device's side stream
+//!   (`workspace::SideStream`), forked from the device's stream before the
+//!   launches and joined back into it after them, so the two launches'
+//!   programs share the SMs. A CUDA graph captures the fork and the join
+//!   when it is captured the way this crate's captures are (the engine's
+//!   decode graphs, examples/bench.rs): with cudarc's event tracking off.
+//!   It is opt-in because a capture with the tracking on, after
+//!   overlapped calls, failed on an H200 (`cuStreamWaitEvent`:
+//!   CUDA_ERROR_STREAM_CAPTURE_ISOLATION; docs/perf.md, version 9), where
+//!   the same capture passes with the launches on one stream.
 //! * Split-KV (`KvSplit::Auto`): a pure decode batch splits its keys into
 //!   the segment count with the least modelled time on the resident
 //!   programs (`plan::choose_segments`); in a mixed batch only the
@@ -33,11 +44,13 @@
 //!
 //! `launch` runs named steps: `gather_params` (device addresses, their
 //! guards and the parameter block), then `launch_scalar` for f32, or
-//! `ensure_workspace`, `launch_parts` and `launch_reduce` (each split part
+//! `ensure_workspace`, `launch_parts` (with `launch_each`) and `launch_reduce` (each split part
 //! that does not merge in its own launch). Every launch
 //! goes through `launch_attention` (grid check, then launch).
 //!
 //! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
+
+use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -53,7 +66,7 @@ use super::contract::AttnParams;
 use super::occupancy::Residency;
 use super::plan::{plan, Instance, Merge, Part, Plan};
 use super::tiles::Kind;
-use super::workspace::{self, Workspace};
+use super::workspace::{self, SideStream, Workspace};
 use super::{
     attention_function, cuda_storage, device_address, fill_nan, function, optional_address,
     poison_outputs, ptx, DeviceLimits, ATTENTION_MODULE,
@@ -161,11 +174,18 @@ fn launch(
     )?;
     let split = SplitLayout::of(&plan, params, dims);
     p.ws_seq_rows = plan.ws_seq_rows as i32;
+    let overlap = overlap_mode();
+    let side = match (&plan.parts, overlap) {
+        ([Some(_), Some(_)], mode) if mode != Overlap::Off => Some(ws.side_stream(&stream)?),
+        _ => None,
+    };
     let _ws_sync = ensure_workspace(ws, &dev, &stream, &split, dims, &mut p)?;
     let host = params.batch.host();
     let kernels = Kernels {
         dev: &dev,
         stream: &stream,
+        side: side.as_deref(),
+        prefill_first: overlap == Overlap::PrefillFirst,
         dtype_name,
         cache_fp8,
         decode_only: host.is_pure_decode(),
@@ -480,6 +500,11 @@ fn ensure_workspace<'a>(
 struct Kernels<'a> {
     dev: &'a CudaDevice,
     stream: &'a CudaStream,
+    /// A mixed batch's side stream: its prefill launch runs there, beside
+    /// the decode launch on `stream` (which waits for it before returning).
+    side: Option<&'a SideStream>,
+    /// With a side stream: enqueue the prefill launch before the decode one.
+    prefill_first: bool,
     dtype_name: &'static str,
     cache_fp8: bool,
     /// Every sequence has one new token (`PagedBatchHost::is_pure_decode`).
@@ -497,9 +522,38 @@ fn launch_parts(
     dims: &AttentionDims,
     p: &mut AttnParams,
 ) -> Result<()> {
+    let Some(side) = k.side else {
+        return launch_each(k, plan, limits, dims, p);
+    };
+    // The side stream starts after the work enqueued so far (the parameter
+    // uploads, the poison fills); the device's stream waits for it even when
+    // a launch failed, so nothing the side stream reads is released early.
+    side.fork_from(k.stream)?;
+    let launched = launch_each(k, plan, limits, dims, p);
+    side.join_into(k.stream)?;
+    launched
+}
+
+/// `launch_parts`' launches: each part on the device's stream, or a mixed
+/// batch's prefill part on the side stream.
+fn launch_each(
+    k: &Kernels<'_>,
+    plan: &Plan,
+    limits: &DeviceLimits,
+    dims: &AttentionDims,
+    p: &mut AttnParams,
+) -> Result<()> {
     let counters = p.ws_counters;
     let (decode_only, seq_len_hint) = (k.decode_only, k.seq_len_hint);
-    for part in plan.parts.iter().flatten() {
+    let mut order: Vec<&Part> = plan.parts.iter().flatten().collect();
+    if k.side.is_some() && k.prefill_first {
+        order.reverse();
+    }
+    for part in order {
+        let stream = match k.side {
+            Some(side) if part.kind == Kind::Prefill => &side.stream,
+            _ => k.stream,
+        };
         // A null counter buffer: the reduce launch merges this part.
         p.ws_counters = if part.merge == Merge::InLaunch {
             counters
@@ -554,9 +608,41 @@ fn launch_parts(
         // workspace was grown by `ensure_workspace`); the caller's guards keep
         // them alive and ordered until after the launch; `smem` matches the
         // kernel's layout. The parts write disjoint rows.
-        unsafe { launch_attention(k.stream, &func, cfg, p) }?;
+        unsafe { launch_attention(stream, &func, cfg, p) }?;
     }
     Ok(())
+}
+
+/// Whether and how a mixed batch's two launches overlap
+/// (`CANDLE_PAGED_ATTENTION_OVERLAP`, see the module doc). On an H200
+/// (docs/perf.md, version 9; four device calls) the mixed batch of 4 x 512
+/// prefill tokens and 60 x 4k decodes ran 342.7-347.7 µs with both launches
+/// on one stream, 327.6-334.4 with the prefill launch on the side stream
+/// enqueued after the decode launch, and 324.9-332.5 enqueued before it (no
+/// better at the side stream's highest priority).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Overlap {
+    /// The default (or `0`): both launches on the device's stream, one
+    /// after the other.
+    Off,
+    /// `1`: the prefill launch on the side stream, enqueued before the
+    /// decode launch.
+    PrefillFirst,
+    /// `decode-first`: enqueued after it.
+    DecodeFirst,
+}
+
+/// `CANDLE_PAGED_ATTENTION_OVERLAP=1|decode-first` (anything else: off),
+/// read once per process; tests and the benchmark cover each.
+fn overlap_mode() -> Overlap {
+    static MODE: OnceLock<Overlap> = OnceLock::new();
+    *MODE.get_or_init(
+        || match std::env::var("CANDLE_PAGED_ATTENTION_OVERLAP").as_deref() {
+            Ok("1") => Overlap::PrefillFirst,
+            Ok("decode-first") => Overlap::DecodeFirst,
+            _ => Overlap::Off,
+        },
+    )
 }
 
 /// The split-KV reduce of a part that does not merge its own partials

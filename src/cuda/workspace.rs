@@ -19,14 +19,22 @@
 //! the launches go on that device's stream, so a later call reusing the
 //! buffers runs after the earlier one.
 //!
+//! Each workspace also holds the device's side stream, on which a mixed
+//! batch's prefill launch runs beside its decode launch under
+//! `CANDLE_PAGED_ATTENTION_OVERLAP` (see the module doc of
+//! src/cuda/paged_attention.rs).
+//!
 //! Owns `Workspace` and the per-device map. Imports the sibling CUDA
 //! modules only; never `ops` or `cpu`.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, SyncOnDrop};
-use candle_core::cuda_backend::DeviceId;
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, SyncOnDrop,
+};
+use candle_core::cuda_backend::{DeviceId, WrapErr};
 use candle_core::{CudaDevice, Result};
 
 use super::{device_limits, DeviceLimits};
@@ -48,6 +56,35 @@ pub(super) struct Workspace {
     /// Smaller counter buffers `counters` replaced (zero, and kept for the
     /// graphs that recorded them).
     retired_counters: Vec<CudaSlice<u32>>,
+    /// The stream a mixed batch's prefill launch runs on beside its decode
+    /// launch (`None` until a mixed batch first needs it; kept for the
+    /// process, like the buffers).
+    side: Option<Arc<SideStream>>,
+}
+
+/// A second stream of the device and the events that order it against the
+/// device's stream: `fork` (recorded on the device's stream, waited on by
+/// the side stream) and `join` (the other way). The events are reused by
+/// every call (the workspace lock is held for a call's whole launch
+/// sequence); each wait orders against the record just before it.
+pub(super) struct SideStream {
+    pub(super) stream: Arc<CudaStream>,
+    fork: CudaEvent,
+    join: CudaEvent,
+}
+
+impl SideStream {
+    /// The side stream starts after the work enqueued on `main` so far.
+    pub(super) fn fork_from(&self, main: &CudaStream) -> Result<()> {
+        self.fork.record(main).w()?;
+        self.stream.wait(&self.fork).w()
+    }
+
+    /// `main` continues after the work enqueued on the side stream so far.
+    pub(super) fn join_into(&self, main: &CudaStream) -> Result<()> {
+        self.join.record(&self.stream).w()?;
+        main.wait(&self.join).w()
+    }
 }
 
 /// The per-device workspaces, keyed by candle device.
@@ -81,11 +118,30 @@ pub(super) fn for_device<'m>(
             retired: Vec::new(),
             counters: None,
             retired_counters: Vec::new(),
+            side: None,
         }),
     })
 }
 
 impl Workspace {
+    /// The device's side stream and its two events, created on first use
+    /// beside `main` (the device's stream; a non-blocking stream of its
+    /// context).
+    pub(super) fn side_stream(&mut self, main: &CudaStream) -> Result<Arc<SideStream>> {
+        if let Some(side) = &self.side {
+            return Ok(side.clone());
+        }
+        let ctx = main.context();
+        let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let side = Arc::new(SideStream {
+            stream: ctx.new_stream().w()?,
+            fork: ctx.new_event(flags).w()?,
+            join: ctx.new_event(flags).w()?,
+        });
+        self.side = Some(side.clone());
+        Ok(side)
+    }
+
     /// Grows the buffer to at least `len` f32 elements, rounded up to a
     /// power of two (never shrinks it; the replaced buffer is retired, not
     /// freed); `len == 0` leaves it as it is.

@@ -22,6 +22,9 @@
 //!   default the reduce launch for the unified kernel's decode instances,
 //!   the launch itself for the stream-decode ones): run the split tests once
 //!   with each to cover both merges of both kernels.
+//! * optionally `CANDLE_PAGED_ATTENTION_OVERLAP=1` (or `decode-first`),
+//!   which runs a mixed batch's prefill launch on a second stream beside
+//!   its decode launch: run the mixed-batch tests once with it.
 //! * optionally `CANDLE_PAGED_ATTENTION_STREAM=0`, which keeps decode
 //!   launches on the unified kernel's decode instances (by default decodes
 //!   of padded head size 64, 128 or 256 over blocks of a multiple of 16 take
