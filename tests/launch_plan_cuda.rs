@@ -18,7 +18,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
 use candle_paged_attention::{cuda_launch_residency, KvSplit};
 use common::case::Case;
-use common::check::check_case;
+use common::check::{check_case, run_op};
 
 /// A labelled batch, its sequences as (new tokens, keys) and the launches
 /// its plan makes.
@@ -228,16 +228,13 @@ cuda_test! {
                 .with_window(Some(256))
                 .with_seed(32),
         ];
-        let as_f32 = |t: &candle_core::Tensor| -> Result<Vec<f32>> {
-            Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-        };
         for case in &cases {
             check_case(case, dev)?;
             let inputs = case.build(dev)?;
             let params = case.params(&inputs);
             let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &params)?;
             ensure!(plan.contains(" + prefill"), "{plan}");
-            let eager = as_f32(&candle_paged_attention::paged_attention(&inputs.q, &params)?)?;
+            let eager = run_op(case, &inputs)?;
             let stream = cuda.cuda_stream();
             let ctx = stream.context();
             stream.synchronize()?;
@@ -256,7 +253,8 @@ cuda_test! {
             let (launch, _graph) =
                 launched?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?;
             launch?;
-            let replayed = as_f32(&out)?;
+            // As `run_op` reads its output (f32 holds every bf16/f16 value).
+            let replayed = out.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             ensure!(replayed.len() == eager.len(), "{} vs {}", replayed.len(), eager.len());
             let differ = eager
                 .iter()
