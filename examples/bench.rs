@@ -19,7 +19,9 @@
 //! memset (L2 flush), a start event, one replay, an end event, enqueued back
 //! to back with no host sync. The median, min and max over at least 20 reps
 //! (about 100 ms of them, at most 200) are reported. The copy-bandwidth and
-//! bf16-matmul ceilings are measured in the same process.
+//! bf16-matmul ceilings are measured in the same process, and the floor of
+//! the timing itself (`launch_floor_us`: a replayed graph of one output
+//! allocation and a one-element kernel).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -380,6 +382,16 @@ fn main() -> Result<()> {
         put(
             json!({"ceiling": "matmul_tflops", "value": 2.0 * (n as f64).powi(3) / (s.median * 1e-6) / 1e12}),
         )?;
+        // The floor of this timing method: a graph of one output allocation
+        // and one one-element kernel, replayed between the same events after
+        // the same flush. No forward of one launch can measure less.
+        let one = Tensor::zeros(1, DType::F32, &dev)?;
+        let graph = capture(&stream, || {
+            one.affine(1.0, 1.0)?;
+            Ok(())
+        })?;
+        let s = timer.time(&args, || Ok(graph.launch()?), 20)?;
+        put(json!({"ceiling": "launch_floor_us", "value": s.median, "min": s.min, "max": s.max}))?;
     }
 
     for (i, c) in cases.iter().enumerate() {

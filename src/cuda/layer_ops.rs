@@ -12,10 +12,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
 use super::buffers::{alloc_poisoned, float_name};
 use super::layer_shapes::{ACT_THREADS, NORM_THREADS};
-use super::{device_address, function, ptx};
+use super::{device_address, function, LAYER_MODULE};
 use crate::params::GatedActivation;
-
-const MODULE: &str = "candle_paged_attention.layer_ops";
 
 /// The rows and columns of a norm call and its arithmetic.
 #[derive(Clone, Copy, Debug)]
@@ -85,7 +83,7 @@ pub(crate) fn norm(
         let (eps, offset) = (shape.eps, shape.weight_offset);
         match delta {
             None => {
-                let func = function(&dev, &format!("rms_norm_{t}"), MODULE, ptx::LAYER_OPS, 0)?;
+                let func = function(&dev, &format!("rms_norm_{t}"), &LAYER_MODULE, 0)?;
                 let mut b = stream.launch_builder(&func);
                 b.arg(&x_addr);
                 b.arg(&w_addr);
@@ -105,13 +103,7 @@ pub(crate) fn norm(
                     DType::F32 => "f32",
                     dt => bail!("{op}: delta must be {dtype:?} or f32, got {dt:?}"),
                 };
-                let func = function(
-                    &dev,
-                    &format!("add_rms_norm_{t}_{dn}"),
-                    MODULE,
-                    ptx::LAYER_OPS,
-                    0,
-                )?;
+                let func = function(&dev, &format!("add_rms_norm_{t}_{dn}"), &LAYER_MODULE, 0)?;
                 let (d_addr, _d_sync) = device_address(d, dl, &stream);
                 let norm_addr = out_addr + (n * dtype.size_in_bytes()) as u64;
                 let mut b = stream.launch_builder(&func);
@@ -162,13 +154,7 @@ pub(crate) fn gated(
         GatedActivation::Silu => "silu",
         GatedActivation::GeluTanh => "gelu_tanh",
     };
-    let func = function(
-        &dev,
-        &format!("{name}_mul_{tin}_{tout}"),
-        MODULE,
-        ptx::LAYER_OPS,
-        0,
-    )?;
+    let func = function(&dev, &format!("{name}_mul_{tin}_{tout}"), &LAYER_MODULE, 0)?;
     // The guards end with this block, before `out` is returned.
     {
         let (in_addr, _in_sync) = device_address(gate_up.0, gate_up.1, &stream);

@@ -1,8 +1,9 @@
-//! The CUDA backend: embedded PTX, kernel loading and launches.
+//! The CUDA backend: embedded kernel images, kernel loading and launches.
 //!
-//! `kernels/*.cu` are compiled to PTX by build.rs; each file becomes one
-//! module loaded once per device through
-//! `CudaDevice::get_or_load_custom_func`. Launches go on candle's stream.
+//! `kernels/*.cu` are compiled by build.rs into one fatbin each (machine
+//! code for the build's target and the PTX, which the driver compiles on
+//! other GPUs); each becomes one module, loaded once per device. Launches go
+//! on candle's stream.
 //! This is the only place in the crate with raw kernel launches.
 //!
 //! Imports `params` (and `batch` through it); must not import `ops` (which
@@ -22,28 +23,56 @@ pub(crate) mod tiles;
 pub(crate) mod workspace;
 
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaStream, DevicePtr, SyncOnDrop};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, CudaStream, DevicePtr, SyncOnDrop,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaStorageSlice, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result, Storage, StorageRef};
 
-/// PTX of each kernel file (`UNIFIED_ATTENTION`, `RESHAPE_AND_CACHE`).
-mod ptx {
-    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+/// The fatbin of each kernel file (`UNIFIED_ATTENTION`, `STREAM_DECODE`,
+/// `RESHAPE_AND_CACHE`, `LAYER_OPS`) and of the warpgroup attention
+/// instances, compiled for `sm_90a` whatever the build's target
+/// (`UNIFIED_ATTENTION_SM90A`; see build.rs).
+mod images {
+    include!(concat!(env!("OUT_DIR"), "/images.rs"));
 }
 
-/// PTX of the warpgroup attention instances, compiled for `compute_90a`
-/// whatever the build's target (`UNIFIED_ATTENTION_SM90A`; see build.rs).
-mod ptx_sm90a {
-    include!(concat!(env!("OUT_DIR"), "/ptx_sm90a.rs"));
+/// One compiled kernel file: the name its module is cached under per
+/// device, and its fatbin.
+#[derive(Debug)]
+pub(crate) struct KernelModule {
+    name: &'static str,
+    image: &'static [u8],
 }
 
-/// Module names under which the PTX is cached per device.
-const ATTENTION_MODULE: &str = "candle_paged_attention.unified_attention";
-const ATTENTION_SM90A_MODULE: &str = "candle_paged_attention.unified_attention_sm90a";
-const STREAM_MODULE: &str = "candle_paged_attention.stream_decode";
-const CACHE_MODULE: &str = "candle_paged_attention.reshape_and_cache";
+/// kernels/unified_attention.cu for the build's target.
+pub(crate) const ATTENTION_MODULE: KernelModule = KernelModule {
+    name: "candle_paged_attention.unified_attention",
+    image: images::UNIFIED_ATTENTION,
+};
+/// kernels/unified_attention.cu for `sm_90a`: the warpgroup instances.
+const ATTENTION_SM90A_MODULE: KernelModule = KernelModule {
+    name: "candle_paged_attention.unified_attention_sm90a",
+    image: images::UNIFIED_ATTENTION_SM90A,
+};
+/// kernels/stream_decode.cu.
+const STREAM_MODULE: KernelModule = KernelModule {
+    name: "candle_paged_attention.stream_decode",
+    image: images::STREAM_DECODE,
+};
+/// kernels/reshape_and_cache.cu (also the rotary cache write).
+pub(crate) const CACHE_MODULE: KernelModule = KernelModule {
+    name: "candle_paged_attention.reshape_and_cache",
+    image: images::RESHAPE_AND_CACHE,
+};
+/// kernels/layer_ops.cu.
+pub(crate) const LAYER_MODULE: KernelModule = KernelModule {
+    name: "candle_paged_attention.layer_ops",
+    image: images::LAYER_OPS,
+};
 
 /// The CUDA storage behind a tensor's storage guard.
 fn cuda_storage<'a>(storage: &'a Storage, op: &str, name: &str) -> Result<&'a CudaStorage> {
@@ -107,14 +136,47 @@ fn optional_address<'a>(
     }
 }
 
+/// `module` loaded on `dev`'s context: once per device, then served from a
+/// cache. The driver takes the image's machine code when it was built for
+/// the device's architecture, and compiles its PTX otherwise (once; the
+/// driver keeps the result in its compute cache).
+fn load_module(dev: &CudaDevice, module: &KernelModule) -> Result<Arc<CudaModule>> {
+    type Cache = HashMap<(DeviceId, &'static str), Arc<CudaModule>>;
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let lock = || {
+        cache
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("kernel module cache lock poisoned".into()))
+    };
+    let key = (dev.id(), module.name);
+    if let Some(m) = lock()?.get(&key) {
+        return Ok(m.clone());
+    }
+    // The driver reads the fatbin's own header for its size; the copy is
+    // heap memory, aligned for it.
+    let image = Ptx::from_binary(module.image.to_vec());
+    let loaded = dev
+        .cuda_stream()
+        .context()
+        .load_module(image)
+        .map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "loading the kernel module {} ({} bytes): {e}",
+                module.name,
+                module.image.len()
+            ))
+        })?;
+    Ok(lock()?.entry(key).or_insert(loaded).clone())
+}
+
 /// The kernel `name` of `module` on `dev`, allowed `smem` bytes of dynamic
 /// shared memory; loaded (and its shared-memory limit raised) once per
 /// device, then served from a cache, so a forward does no module lookups.
 fn function(
     dev: &CudaDevice,
     name: &str,
-    module: &str,
-    ptx: &str,
+    module: &KernelModule,
     smem: usize,
 ) -> Result<CudaFunction> {
     type Cache = HashMap<(DeviceId, String), CudaFunction>;
@@ -128,9 +190,9 @@ fn function(
     {
         return Ok(f.clone());
     }
-    let f = dev
-        .get_or_load_custom_func(name, module, ptx)?
-        .into_cuda_function();
+    let f = load_module(dev, module)?.load_function(name).map_err(|e| {
+        candle_core::Error::Msg(format!("kernel {name} of module {}: {e}", module.name))
+    })?;
     if smem > 48 * 1024 {
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
         f.set_attribute(
@@ -146,7 +208,7 @@ fn function(
     Ok(f)
 }
 
-/// The PTX module a tensor-core attention instance lives in.
+/// The kernel module a tensor-core attention instance lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum AttnModule {
     /// kernels/unified_attention.cu for the build's target.
@@ -178,17 +240,12 @@ fn attention_function(
     module: AttnModule,
     smem: usize,
 ) -> Result<CudaFunction> {
-    match module {
-        AttnModule::Sm90a => function(
-            dev,
-            name,
-            ATTENTION_SM90A_MODULE,
-            ptx_sm90a::UNIFIED_ATTENTION_SM90A,
-            smem,
-        ),
-        AttnModule::Stream => function(dev, name, STREAM_MODULE, ptx::STREAM_DECODE, smem),
-        AttnModule::Unified => function(dev, name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem),
-    }
+    let module = match module {
+        AttnModule::Sm90a => &ATTENTION_SM90A_MODULE,
+        AttnModule::Stream => &STREAM_MODULE,
+        AttnModule::Unified => &ATTENTION_MODULE,
+    };
+    function(dev, name, module, smem)
 }
 
 /// The device attributes the launch decisions read, queried once per device

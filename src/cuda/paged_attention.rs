@@ -20,18 +20,14 @@
 //!   (stream decode where `plan` finds an instance for the call); longer
 //!   ones run prefill-shaped programs of 128 rows (64 when that launch has
 //!   less than a wave of programs, and for head sizes above 128). A batch
-//!   that mixes both is two launches, one after the other on the device's
-//!   stream. With `CANDLE_PAGED_ATTENTION_OVERLAP=1` they overlap: the
-//!   prefill launch runs on the device's side stream
-//!   (`workspace::SideStream`), forked from the device's stream before the
-//!   launches and joined back into it after them, so the two launches'
-//!   programs share the SMs. A CUDA graph captures the fork and the join
-//!   when it is captured the way this crate's captures are (the engine's
-//!   decode graphs, examples/bench.rs): with cudarc's event tracking off.
-//!   It is opt-in because a capture with the tracking on, after
-//!   overlapped calls, failed on an H200 (`cuStreamWaitEvent`:
-//!   CUDA_ERROR_STREAM_CAPTURE_ISOLATION; docs/perf.md, version 9), where
-//!   the same capture passes with the launches on one stream.
+//!   that mixes both is two launches that overlap: the prefill launch runs
+//!   on the device's side stream (`workspace::SideStream`, raw driver
+//!   handles that cudarc does not track), forked from the device's stream
+//!   before the launches and joined back into it after them, so the two
+//!   launches' programs share the SMs. A CUDA graph captures the fork and
+//!   the join, with cudarc's event tracking on or off.
+//!   `CANDLE_PAGED_ATTENTION_OVERLAP=0` runs both on the device's stream,
+//!   one after the other.
 //! * Split-KV (`KvSplit::Auto`): a pure decode batch splits its keys into
 //!   the segment count with the least modelled time on the resident
 //!   programs (`plan::choose_segments`); in a mixed batch only the
@@ -54,7 +50,7 @@ use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaStream, LaunchConfig, PushKernelArg, SyncOnDrop,
+    result, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{
@@ -69,7 +65,7 @@ use super::tiles::Kind;
 use super::workspace::{self, SideStream, Workspace};
 use super::{
     attention_function, cuda_storage, device_address, fill_nan, function, optional_address,
-    poison_outputs, ptx, DeviceLimits, ATTENTION_MODULE,
+    poison_outputs, DeviceLimits, ATTENTION_MODULE,
 };
 use crate::params::{AttentionDims, PagedAttentionParams};
 
@@ -396,7 +392,7 @@ fn launch_scalar(
 ) -> Result<()> {
     let cache_suffix = if cache_fp8 { "_fp8" } else { "" };
     let name = format!("unified_attention_scalar_f32{cache_suffix}");
-    let func = function(dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, 0)?;
+    let func = function(dev, &name, &ATTENTION_MODULE, 0)?;
     let cfg = LaunchConfig {
         grid_dim: (dims.num_tokens as u32, dims.num_heads.div_ceil(4) as u32, 1),
         block_dim: (THREADS, 1, 1),
@@ -406,7 +402,7 @@ fn launch_scalar(
     // device whose extent validation checked against the sizes in `p`; the
     // caller's guards (from `gather_params`) keep them alive and ordered
     // until after the launch.
-    unsafe { launch_attention(stream, &func, cfg, p) }
+    unsafe { launch_attention(Target::Main(stream), &func, cfg, p) }
 }
 
 /// The split-KV partials of one call: segments of the most split part, the
@@ -551,8 +547,8 @@ fn launch_each(
     }
     for part in order {
         let stream = match k.side {
-            Some(side) if part.kind == Kind::Prefill => &side.stream,
-            _ => k.stream,
+            Some(side) if part.kind == Kind::Prefill => Target::Side(side),
+            _ => Target::Main(k.stream),
         };
         // A null counter buffer: the reduce launch merges this part.
         p.ws_counters = if part.merge == Merge::InLaunch {
@@ -606,7 +602,9 @@ fn launch_each(
         // SAFETY: every address in `p` points into a live allocation of this
         // device sized for the dimensions in `p` (validated on the host; the
         // workspace was grown by `ensure_workspace`); the caller's guards keep
-        // them alive and ordered until after the launch; `smem` matches the
+        // them alive and ordered until after the launch (a side-stream
+        // launch sits between `launch_parts`' fork and join, so it is
+        // ordered like one on the device's stream); `smem` matches the
         // kernel's layout. The parts write disjoint rows.
         unsafe { launch_attention(stream, &func, cfg, p) }?;
     }
@@ -619,28 +617,28 @@ fn launch_each(
 /// prefill tokens and 60 x 4k decodes ran 342.7-347.7 µs with both launches
 /// on one stream, 327.6-334.4 with the prefill launch on the side stream
 /// enqueued after the decode launch, and 324.9-332.5 enqueued before it (no
-/// better at the side stream's highest priority).
+/// better at the side stream's highest priority); version 10 has the
+/// default's figures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Overlap {
-    /// The default (or `0`): both launches on the device's stream, one
-    /// after the other.
+    /// `0`: both launches on the device's stream, one after the other.
     Off,
-    /// `1`: the prefill launch on the side stream, enqueued before the
-    /// decode launch.
+    /// The default (or `1`): the prefill launch on the side stream,
+    /// enqueued before the decode launch.
     PrefillFirst,
     /// `decode-first`: enqueued after it.
     DecodeFirst,
 }
 
-/// `CANDLE_PAGED_ATTENTION_OVERLAP=1|decode-first` (anything else: off),
-/// read once per process; tests and the benchmark cover each.
+/// `CANDLE_PAGED_ATTENTION_OVERLAP=0|1|decode-first` (unset or anything
+/// else: `1`), read once per process; tests and the benchmark cover each.
 fn overlap_mode() -> Overlap {
     static MODE: OnceLock<Overlap> = OnceLock::new();
     *MODE.get_or_init(
         || match std::env::var("CANDLE_PAGED_ATTENTION_OVERLAP").as_deref() {
-            Ok("1") => Overlap::PrefillFirst,
+            Ok("0") => Overlap::Off,
             Ok("decode-first") => Overlap::DecodeFirst,
-            _ => Overlap::Off,
+            _ => Overlap::PrefillFirst,
         },
     )
 }
@@ -660,7 +658,7 @@ fn launch_reduce(
     let name = format!("reduce_segments_{}", k.dtype_name);
     // One f32 weight per segment in dynamic shared memory.
     let smem = part.segments * std::mem::size_of::<f32>();
-    let func = function(k.dev, &name, ATTENTION_MODULE, ptx::UNIFIED_ATTENTION, smem)?;
+    let func = function(k.dev, &name, &ATTENTION_MODULE, smem)?;
     // Partial rows: tokens, or (sequence, row) pairs for a mixed batch's
     // decode-shaped part.
     let partial_rows = match p.ws_seq_rows {
@@ -681,29 +679,63 @@ fn launch_reduce(
     // SAFETY: as for `launch_parts`; the reduce reads the partials the
     // part's launch just wrote on the same stream, in the workspace
     // `ensure_workspace` sized for them.
-    unsafe { launch_attention(k.stream, &func, cfg, p) }
+    unsafe { launch_attention(Target::Main(k.stream), &func, cfg, p) }
+}
+
+/// The stream an attention launch goes on.
+#[derive(Clone, Copy)]
+enum Target<'a> {
+    /// The device's stream, through cudarc's launch builder.
+    Main(&'a CudaStream),
+    /// A mixed batch's side stream, through the driver's launch call (see
+    /// `workspace::SideStream` for why it is no cudarc stream).
+    Side(&'a SideStream),
 }
 
 /// The one launch sequence of the attention kernels: checks the grid, then
-/// launches `func` on `stream` with the parameter block `p` as its only
+/// launches `func` on `target` with the parameter block `p` as its only
 /// argument.
 ///
 /// # Safety
 /// Every address in `p` must point into a live allocation of the stream's
 /// device sized for the dimensions in `p`, kept alive and ordered (by the
-/// caller's storage guards) until after the launch, and
-/// `cfg.shared_mem_bytes` must match the kernel's shared-memory layout.
+/// caller's storage guards, and for the side stream by its fork and join
+/// around the launch) until after the launch, and `cfg.shared_mem_bytes`
+/// must match the kernel's shared-memory layout.
 unsafe fn launch_attention(
-    stream: &CudaStream,
+    target: Target<'_>,
     func: &CudaFunction,
     cfg: LaunchConfig,
     p: &AttnParams,
 ) -> Result<()> {
     check_grid_yz(cfg.grid_dim)?;
-    let mut b = stream.launch_builder(func);
-    b.arg(p);
-    // SAFETY: the caller upholds this function's contract.
-    unsafe { b.launch(cfg) }.w()?;
+    match target {
+        Target::Main(stream) => {
+            let mut b = stream.launch_builder(func);
+            b.arg(p);
+            // SAFETY: the caller upholds this function's contract.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Target::Side(side) => {
+            // The kernel copies its one argument at launch; `p` outlives
+            // the call.
+            let mut args = [p as *const AttnParams as *mut std::ffi::c_void];
+            // SAFETY: the caller upholds this function's contract; `func` is
+            // a loaded kernel whose one parameter is an `AttnParams`, and
+            // `fork_from` bound the context to this thread.
+            unsafe {
+                result::launch_kernel(
+                    func.cu_function(),
+                    cfg.grid_dim,
+                    cfg.block_dim,
+                    cfg.shared_mem_bytes,
+                    side.raw(),
+                    &mut args,
+                )
+            }
+            .w()?;
+        }
+    }
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
 use super::buffers::float_name;
-use super::{device_address, function, ptx, CACHE_MODULE};
+use super::{device_address, function, CACHE_MODULE};
 use crate::params::CacheWrite;
 
 const OP: &str = "reshape-and-cache";
@@ -98,7 +98,7 @@ pub(crate) fn forward(
         "reshape_and_cache_{src_name}{}",
         if fp8 { "_fp8" } else { "" }
     );
-    let func = function(&dev, &name, CACHE_MODULE, ptx::RESHAPE_AND_CACHE, 0)?;
+    let func = function(&dev, &name, &CACHE_MODULE, 0)?;
     let grid_x = u32::try_from(num_tokens).map_err(|_| {
         candle_core::Error::Msg(format!(
             "{OP}: {num_tokens} tokens is too many for one launch"

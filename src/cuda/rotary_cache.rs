@@ -12,7 +12,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage};
 
 use super::buffers::{alloc_uninit, float_name};
-use super::{cuda_storage, device_address, fill_nan, function, poison_outputs, ptx, CACHE_MODULE};
+use super::{cuda_storage, device_address, fill_nan, function, poison_outputs, CACHE_MODULE};
 use crate::params::KvScales;
 
 /// Threads of a program (one per token).
@@ -163,7 +163,7 @@ fn launch(
         "rotary_cache_{input}_{model}{}",
         if fp8 { "_fp8" } else { "" }
     );
-    let func = function(&dev, &name, CACHE_MODULE, ptx::RESHAPE_AND_CACHE, 0)?;
+    let func = function(&dev, &name, &CACHE_MODULE, 0)?;
     let grid = u32::try_from(n).map_err(|_| {
         candle_core::Error::Msg(format!("{op}: {n} tokens is too many for one launch"))
     })?;

@@ -20,8 +20,8 @@
 //! buffers runs after the earlier one.
 //!
 //! Each workspace also holds the device's side stream, on which a mixed
-//! batch's prefill launch runs beside its decode launch under
-//! `CANDLE_PAGED_ATTENTION_OVERLAP` (see the module doc of
+//! batch's prefill launch runs beside its decode launch unless
+//! `CANDLE_PAGED_ATTENTION_OVERLAP=0` (see the module doc of
 //! src/cuda/paged_attention.rs).
 //!
 //! Owns `Workspace` and the per-device map. Imports the sibling CUDA
@@ -30,10 +30,11 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaSlice, CudaStream, DevicePtr, SyncOnDrop,
+use candle_core::cuda_backend::cudarc::driver::result;
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    CUevent, CUevent_flags, CUevent_wait_flags, CUstream,
 };
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, SyncOnDrop};
 use candle_core::cuda_backend::{DeviceId, WrapErr};
 use candle_core::{CudaDevice, Result};
 
@@ -67,23 +68,104 @@ pub(super) struct Workspace {
 /// the side stream) and `join` (the other way). The events are reused by
 /// every call (the workspace lock is held for a call's whole launch
 /// sequence); each wait orders against the record just before it.
+///
+/// The three are raw driver handles, not cudarc's `CudaStream` and
+/// `CudaEvent`: a stream made by cudarc (`CudaContext::new_stream`) puts
+/// the whole context into cudarc's multi-stream mode, in which every later
+/// use of every buffer records and waits on events; a CUDA graph captured
+/// with that tracking on then waits, inside the capture, on events recorded
+/// before it, which the driver refuses (CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
+/// docs/perf.md, versions 9 and 10). The fork and join events already order
+/// every access of the side stream's launch, so nothing else needs them.
 pub(super) struct SideStream {
-    pub(super) stream: Arc<CudaStream>,
-    fork: CudaEvent,
-    join: CudaEvent,
+    stream: CUstream,
+    fork: CUevent,
+    join: CUevent,
 }
 
+// SAFETY: driver stream and event handles may be used from any thread bound
+// to their context; every use goes through `&self` methods that bind it, and
+// the workspace map's lock serialises the calls that use them.
+unsafe impl Send for SideStream {}
+// SAFETY: as for `Send`: the handles are plain driver objects, and the
+// driver's stream and event calls are thread-safe.
+unsafe impl Sync for SideStream {}
+
 impl SideStream {
+    /// A non-blocking stream of `main`'s context and two events without
+    /// timing.
+    fn new(main: &CudaStream) -> Result<Self> {
+        main.context().bind_to_thread().w()?;
+        let flags = CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).w()?;
+        // Destroys what was created so far when a later creation fails.
+        let undo = |events: &[CUevent]| {
+            // SAFETY: the handles were created just above and are used by
+            // nothing else.
+            unsafe {
+                for &e in events {
+                    let _ = result::event::destroy(e);
+                }
+                let _ = result::stream::destroy(stream);
+            }
+        };
+        let fork = result::event::create(flags)
+            .inspect_err(|_| undo(&[]))
+            .w()?;
+        let join = result::event::create(flags)
+            .inspect_err(|_| undo(&[fork]))
+            .w()?;
+        Ok(Self { stream, fork, join })
+    }
+
+    /// The raw stream the prefill launch goes on.
+    pub(super) fn raw(&self) -> CUstream {
+        self.stream
+    }
+
     /// The side stream starts after the work enqueued on `main` so far.
     pub(super) fn fork_from(&self, main: &CudaStream) -> Result<()> {
-        self.fork.record(main).w()?;
-        self.stream.wait(&self.fork).w()
+        main.context().bind_to_thread().w()?;
+        // SAFETY: both handles are live (owned by `self`, destroyed only on
+        // drop); `main` is a live stream of the same context.
+        unsafe {
+            result::event::record(self.fork, main.cu_stream()).w()?;
+            result::stream::wait_event(
+                self.stream,
+                self.fork,
+                CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .w()
+        }
     }
 
     /// `main` continues after the work enqueued on the side stream so far.
     pub(super) fn join_into(&self, main: &CudaStream) -> Result<()> {
-        self.join.record(&self.stream).w()?;
-        main.wait(&self.join).w()
+        main.context().bind_to_thread().w()?;
+        // SAFETY: as in `fork_from`.
+        unsafe {
+            result::event::record(self.join, self.stream).w()?;
+            result::stream::wait_event(
+                main.cu_stream(),
+                self.join,
+                CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .w()
+        }
+    }
+}
+
+impl Drop for SideStream {
+    fn drop(&mut self) {
+        // SAFETY: the handles are owned by `self` and used by nothing after
+        // it; the driver defers destroying a stream with work in flight
+        // until that work completes. (Workspaces live for the process, so
+        // this runs only if one is ever dropped.)
+        unsafe {
+            let _ = result::event::destroy(self.fork);
+            let _ = result::event::destroy(self.join);
+            let _ = result::stream::destroy(self.stream);
+        }
     }
 }
 
@@ -131,13 +213,7 @@ impl Workspace {
         if let Some(side) = &self.side {
             return Ok(side.clone());
         }
-        let ctx = main.context();
-        let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
-        let side = Arc::new(SideStream {
-            stream: ctx.new_stream().w()?,
-            fork: ctx.new_event(flags).w()?,
-            join: ctx.new_event(flags).w()?,
-        });
+        let side = Arc::new(SideStream::new(main)?);
         self.side = Some(side.clone());
         Ok(side)
     }
