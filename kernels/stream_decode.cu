@@ -12,6 +12,10 @@
 //   16, 16-byte loads are aligned (`vec_loads`), padded head sizes 64, 128
 //   and 256 (src/cuda/plan.rs checks all three; other calls take the
 //   unified kernel's decode instances).
+// * `unified_attention_h128_stream_r8w_{f16|bf16}[_fp8]`: the wide
+//   instance, the same program with one ring stage per warp and registers
+//   for 4 programs per SM (3 for `_r8`), which the plan takes when a
+//   batch's groups fill one wave of it and not of `_r8`.
 //
 // The matrix products run transposed, so that the few query rows sit in the
 // MMA's N dimension (8 per tile) and keys and value columns in M:
@@ -130,8 +134,8 @@ __device__ __forceinline__ uint32_t fp8x2_to_h2(uint32_t w) {
 }  // namespace
 
 // One program (see the top of the file). HEAD: padded head size; NR: 8-row
-// tiles of packed rows.
-template <typename T, typename C, int HEAD, int NR>
+// tiles of packed rows; WIDE: the wide instance's ring of one stage.
+template <typename T, typename C, int HEAD, int NR, bool WIDE>
 struct StreamProgram {
   static constexpr bool FP8 = std::is_same<C, fp8_t>::value;
   // fp8 caches run f16 MMAs (e4m3 converts to f16 exactly; the queries are
@@ -171,10 +175,14 @@ struct StreamProgram {
   // more hold one program per SM, with nothing to overlap its start and its
   // merge (two programs of 4 warps, one step in flight each, keep 135 KB of
   // an SM in flight), and not fit an A100's 163 KiB per program.
-  static constexpr int DEPTH = HEAD <= 128 ? 2 : FP8 ? 3 : 1;
+  // The wide instance (WIDE, head size 128, 8 rows): 1 stage, so that 4
+  // programs fit an SM (16 warps, one step in flight each), for batches
+  // whose (sequence, KV head) groups fill one wave of it (see
+  // src/cuda/plan.rs, `stream_decode_tile`).
+  static constexpr int DEPTH = WIDE ? 1 : HEAD <= 128 ? 2 : FP8 ? 3 : 1;
   // Programs per SM the instance is compiled for (registers per thread:
-  // at most 168 for 3, 255 for 2).
-  static constexpr int MIN_PROGRAMS = HEAD <= 128 && NR == 1 ? 3 : 2;
+  // at most 128 for 4, 168 for 3, 255 for 2).
+  static constexpr int MIN_PROGRAMS = WIDE ? 4 : HEAD <= 128 && NR == 1 ? 3 : 2;
   // Shared memory (bytes): Q [ROWS][QS] in the k-step order, the per-row
   // score scales, the warps' row maxima and sums, then the warps' rings,
   // over which the merge reuses the space for their rescaled accumulators
@@ -189,6 +197,7 @@ struct StreamProgram {
   static constexpr int SMEM = Q_BYTES + SCALE_BYTES + RED_BYTES + (O_BYTES > RING_BYTES ? O_BYTES : RING_BYTES);
   static constexpr int MERGE_BATCH = 16;
   static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "padded head sizes 64, 128, 256");
+  static_assert(!WIDE || (HEAD == 128 && NR == 1), "a wide instance at head size 128, 8 rows only");
   static_assert(KB % LK == 0 && VB % LV == 0 && LV >= 8, "whole 16-byte K units, 8- or 16-byte V units");
   static_assert(KBYTES % 16 == 0 && VBYTES % 16 == 0 && STAGE % 16 == 0, "16-byte cp.async rows");
   static_assert(FP8 ? (KW == KSTEPS && 2 * VW == MTILES) : (KW == 2 * KSTEPS && VW == MTILES),
@@ -871,9 +880,9 @@ struct StreamProgram {
   }
 };
 
-template <typename T, typename C, int HEAD, int NR>
+template <typename T, typename C, int HEAD, int NR, bool WIDE>
 __device__ __forceinline__ void stream_body(const AttnParams& p) {
-  using Prog = StreamProgram<T, C, HEAD, NR>;
+  using Prog = StreamProgram<T, C, HEAD, NR, WIDE>;
   Prog prog(p);
   bool q_loaded;
   if (!prog.locate(q_loaded)) return;
@@ -916,24 +925,27 @@ __device__ __forceinline__ void stream_body(const AttnParams& p) {
 // ---- entry points ---------------------------------------------------------------
 // Each instance checks its threads and shared memory against the figures the
 // Rust launches plan with (kernel_contract.cuh, generated from src/cuda/tiles.rs).
-#define CPA_STREAM(HEAD, NR, ROWS, TNAME, T, CNAME, C)                                                     \
-  static_assert(128 == cpa_plan_h##HEAD##_stream_r##ROWS##CNAME##_threads,                                 \
-                "threads of unified_attention_h" #HEAD "_stream_r" #ROWS #CNAME " differ from src/cuda/tiles.rs"); \
-  static_assert(StreamProgram<T, C, HEAD, NR>::SMEM == cpa_plan_h##HEAD##_stream_r##ROWS##CNAME##_smem,    \
-                "shared memory of unified_attention_h" #HEAD "_stream_r" #ROWS #CNAME " differs from src/cuda/tiles.rs"); \
-  extern "C" __global__ void __launch_bounds__(128, (StreamProgram<T, C, HEAD, NR>::MIN_PROGRAMS))       \
-      unified_attention_h##HEAD##_stream_r##ROWS##_##TNAME##CNAME(const AttnParams p) {                   \
-    stream_body<T, C, HEAD, NR>(p);                                                                        \
+// SHAPE is the instance's name suffix after `_stream_`: `r8`, `r16`, or
+// `r8w` for the wide instance.
+#define CPA_STREAM(HEAD, NR, WIDE, SHAPE, TNAME, T, CNAME, C)                                              \
+  static_assert(128 == cpa_plan_h##HEAD##_stream_##SHAPE##CNAME##_threads,                                 \
+                "threads of unified_attention_h" #HEAD "_stream_" #SHAPE #CNAME " differ from src/cuda/tiles.rs"); \
+  static_assert(StreamProgram<T, C, HEAD, NR, WIDE>::SMEM == cpa_plan_h##HEAD##_stream_##SHAPE##CNAME##_smem, \
+                "shared memory of unified_attention_h" #HEAD "_stream_" #SHAPE #CNAME " differs from src/cuda/tiles.rs"); \
+  extern "C" __global__ void __launch_bounds__(128, (StreamProgram<T, C, HEAD, NR, WIDE>::MIN_PROGRAMS)) \
+      unified_attention_h##HEAD##_stream_##SHAPE##_##TNAME##CNAME(const AttnParams p) {                   \
+    stream_body<T, C, HEAD, NR, WIDE>(p);                                                                  \
   }
 
-#define CPA_STREAM_HEAD(HEAD, NR, ROWS)                                        \
-  CPA_STREAM(HEAD, NR, ROWS, bf16, __nv_bfloat16, , __nv_bfloat16)             \
-  CPA_STREAM(HEAD, NR, ROWS, f16, __half, , __half)                            \
-  CPA_STREAM(HEAD, NR, ROWS, bf16, __nv_bfloat16, _fp8, fp8_t)                 \
-  CPA_STREAM(HEAD, NR, ROWS, f16, __half, _fp8, fp8_t)
+#define CPA_STREAM_HEAD(HEAD, NR, WIDE, SHAPE)                                        \
+  CPA_STREAM(HEAD, NR, WIDE, SHAPE, bf16, __nv_bfloat16, , __nv_bfloat16)             \
+  CPA_STREAM(HEAD, NR, WIDE, SHAPE, f16, __half, , __half)                            \
+  CPA_STREAM(HEAD, NR, WIDE, SHAPE, bf16, __nv_bfloat16, _fp8, fp8_t)                 \
+  CPA_STREAM(HEAD, NR, WIDE, SHAPE, f16, __half, _fp8, fp8_t)
 
-CPA_STREAM_HEAD(64, 1, 8)
-CPA_STREAM_HEAD(64, 2, 16)
-CPA_STREAM_HEAD(128, 1, 8)
-CPA_STREAM_HEAD(128, 2, 16)
-CPA_STREAM_HEAD(256, 1, 8)
+CPA_STREAM_HEAD(64, 1, false, r8)
+CPA_STREAM_HEAD(64, 2, false, r16)
+CPA_STREAM_HEAD(128, 1, false, r8)
+CPA_STREAM_HEAD(128, 1, true, r8w)
+CPA_STREAM_HEAD(128, 2, false, r16)
+CPA_STREAM_HEAD(256, 1, false, r8)

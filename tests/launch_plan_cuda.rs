@@ -128,11 +128,68 @@ cuda_test! {
             let inputs = case.build(dev)?;
             let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &case.params(&inputs))?;
             let stream = on && has_instance;
-            let expected = if stream { "stream split-kv(" } else { "decode split-kv(" };
+            // `CANDLE_PAGED_ATTENTION_STREAM=wide`: the wide h128 instance.
+            let wide = env("CANDLE_PAGED_ATTENTION_STREAM") == "wide" && head_size == 128;
+            let expected = match (stream, wide) {
+                (true, true) => "stream-wide split-kv(",
+                (true, false) => "stream split-kv(",
+                (false, _) => "decode split-kv(",
+            };
             ensure!(plan.starts_with(expected), "h{head_size} bs{block_size}: {plan}");
             let reduced = plan.ends_with("+ reduce");
             let want_reduce = if stream { merge == "reduce" } else { merge != "launch" };
             ensure!(reduced == want_reduce, "h{head_size} bs{block_size}: {plan}");
+            check_case(&case, dev)?;
+        }
+        Ok(())
+    }
+}
+
+cuda_test! {
+    /// A head-128 decode batch whose (sequence, KV head) groups fill a wave
+    /// of the default stream instance (`_r8`) and fit one of the wide one
+    /// (`_r8w`, more programs per SM) takes the wide instance, unsplit, and
+    /// so does a mixed batch with as many decodes; both match the
+    /// reference. Under `CANDLE_PAGED_ATTENTION_STREAM=0` they take the
+    /// unified kernel's decode instance.
+    fn one_wave_decodes_take_the_wide_instance(dev: &Device) -> Result<()> {
+        let Device::Cuda(cuda) = dev else {
+            anyhow::bail!("a cuda device expected, got {:?}", dev.location());
+        };
+        let off = std::env::var("CANDLE_PAGED_ATTENTION_STREAM").is_ok_and(|v| v == "0");
+        // The device's SMs (from any launch) and the driver's programs per
+        // SM of `_r8` and of the wide instance.
+        let probe = Case::new(&[(1, 64)], (32, 8), 128, 16, DType::BF16);
+        let inputs = probe.build(dev)?;
+        let launch = cuda_launch_residency(&inputs.q, &probe.params(&inputs))?;
+        let Some(sms) = launch.first().map(|l| l.sms) else {
+            anyhow::bail!("no launch for a bf16 decode");
+        };
+        let reports = candle_paged_attention::kernel_instance_reports(cuda)?;
+        let resident = |name: &str| -> Result<usize> {
+            let report = reports.iter().find(|r| r.name == name);
+            report
+                .map(|r| r.driver_resident)
+                .ok_or_else(|| anyhow::anyhow!("no instance {name}"))
+        };
+        let narrow = resident("unified_attention_h128_stream_r8_bf16")?;
+        let wide = resident("unified_attention_h128_stream_r8w_bf16")?;
+        ensure!(narrow < wide, "{narrow} and {wide} programs per SM");
+        // The fewest sequences (8 groups each) that fill a wave of `_r8`.
+        let seqs = (narrow * sms).div_ceil(8);
+        let decodes = vec![(1, 700); seqs];
+        let mut mixed = decodes.clone();
+        mixed.extend([(300, 900), (77, 77)]);
+        for (label, batch) in [("decode", &decodes), ("mixed", &mixed)] {
+            let case = Case::new(batch, (32, 8), 128, 16, DType::BF16).with_seed(seqs as u64);
+            let inputs = case.build(dev)?;
+            let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &case.params(&inputs))?;
+            let expected = if off { "decode" } else { "stream-wide" };
+            let decode_part = plan.split(" + ").next().unwrap_or_default();
+            ensure!(
+                decode_part.starts_with(expected) && (off || !decode_part.contains("split")),
+                "{label}, {seqs} sequences on {sms} SMs: {plan}"
+            );
             check_case(&case, dev)?;
         }
         Ok(())
@@ -204,17 +261,15 @@ cuda_test! {
 
 cuda_test! {
     /// A mixed batch (a split decode launch and a prefill launch, which
-    /// under `CANDLE_PAGED_ATTENTION_OVERLAP=1` runs on the device's side
-    /// stream beside it, forked and joined inside the capture) captured in
-    /// a CUDA graph the way the engine and the benchmark capture (cudarc's
-    /// event tracking off: an event recorded before a capture may not be
-    /// waited on inside it): one replay writes exactly what the eager call
-    /// wrote, and the eager call matches the reference; over a 16-bit cache
-    /// with sinks, and over an fp8 cache with a window.
+    /// by default runs on the device's side stream beside it, forked and
+    /// joined inside the capture) captured in a CUDA graph twice: the way
+    /// the engine and the benchmark capture (cudarc's event tracking off),
+    /// and with the tracking on, which a side stream made by cudarc would
+    /// break (docs/perf.md, versions 9 and 10): each replay writes exactly
+    /// what the eager call wrote, and the eager call matches the
+    /// reference; over a 16-bit cache with sinks, and over an fp8 cache
+    /// with a window.
     fn mixed_batches_replay_in_a_cuda_graph(dev: &Device) -> Result<()> {
-        use candle_core::cuda_backend::cudarc::driver::sys::{
-            CUgraphInstantiate_flags, CUstreamCaptureMode,
-        };
         let Device::Cuda(cuda) = dev else {
             anyhow::bail!("a cuda device expected, got {:?}", dev.location());
         };
@@ -235,34 +290,60 @@ cuda_test! {
             let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &params)?;
             ensure!(plan.contains(" + prefill"), "{plan}");
             let eager = run_op(case, &inputs)?;
-            let stream = cuda.cuda_stream();
-            let ctx = stream.context();
-            stream.synchronize()?;
-            // SAFETY: as in the engine's capture: the forward runs on this
-            // one stream (and the side stream it forks and joins), and the
-            // tracking is back on before the output is read.
-            unsafe { ctx.disable_event_tracking() };
-            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let captured = candle_paged_attention::paged_attention(&inputs.q, &params);
-            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-            let launched = graph.map(|g| g.map(|g| (g.launch(), g)));
-            stream.synchronize()?;
-            // SAFETY: the stream is idle (synchronized above).
-            unsafe { ctx.enable_event_tracking() };
-            let out = captured?;
-            let (launch, _graph) =
-                launched?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?;
-            launch?;
-            // As `run_op` reads its output (f32 holds every bf16/f16 value).
-            let replayed = out.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            ensure!(replayed.len() == eager.len(), "{} vs {}", replayed.len(), eager.len());
-            let differ = eager
-                .iter()
-                .zip(&replayed)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            ensure!(differ == 0, "{plan}: {differ} of {} elements differ", eager.len());
+            for tracking in [false, true] {
+                let replayed = capture_and_replay(cuda, &inputs.q, &params, tracking)?;
+                ensure!(replayed.len() == eager.len(), "{} vs {}", replayed.len(), eager.len());
+                let differ = eager
+                    .iter()
+                    .zip(&replayed)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                ensure!(
+                    differ == 0,
+                    "{plan} (event tracking {tracking}): {differ} of {} elements differ",
+                    eager.len()
+                );
+            }
         }
         Ok(())
     }
+
+}
+
+/// Captures one forward on `cuda`'s stream into a CUDA graph, with
+/// cudarc's event tracking off (as the engine and the benchmark
+/// capture) or left on, replays it once and reads the replay's output
+/// as f32 (which holds every bf16/f16 value), as `run_op` reads its own.
+fn capture_and_replay(
+    cuda: &candle_core::CudaDevice,
+    q: &candle_core::Tensor,
+    params: &candle_paged_attention::PagedAttentionParams,
+    tracking: bool,
+) -> Result<Vec<f32>> {
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        CUgraphInstantiate_flags, CUstreamCaptureMode,
+    };
+    let stream = cuda.cuda_stream();
+    let ctx = stream.context();
+    stream.synchronize()?;
+    if !tracking {
+        // SAFETY: as in the engine's capture: the forward runs on this
+        // one stream (and the side stream it forks and joins), and the
+        // tracking is back on before the output is read.
+        unsafe { ctx.disable_event_tracking() };
+    }
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let captured = candle_paged_attention::paged_attention(q, params);
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+    let launched = graph.map(|g| g.map(|g| (g.launch(), g)));
+    stream.synchronize()?;
+    if !tracking {
+        // SAFETY: the stream is idle (synchronized above).
+        unsafe { ctx.enable_event_tracking() };
+    }
+    let out = captured?;
+    let (launch, _graph) =
+        launched?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?;
+    launch?;
+    Ok(out.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }

@@ -13,14 +13,15 @@ use candle_core::{CudaDevice, DType, Result};
 use super::occupancy::{driver_resident, Residency};
 use super::plan::{plan, resident_programs, Instance, Merge, Plan};
 use super::tiles::{
-    instance_name, smem_bytes, stream_tile, tile_shape, wgmma_tile, Kind, TileShape, HEAD_SIZES,
-    STREAM_ROWS,
+    instance_name, smem_bytes, stream_tile, stream_wide_tile, tile_shape, wgmma_tile, Kind,
+    TileShape, HEAD_SIZES, STREAM_ROWS, STREAM_WIDE_SUFFIX,
 };
 use super::{attention_function, device_limits, AttnModule};
 use crate::params::{AttentionDims, PagedAttentionParams};
 
 /// How `forward` launches this call, in words: each part's tile shape
-/// (`prefill-wgmma` for the warpgroup instance, `stream` for stream decode)
+/// (`prefill-wgmma` for the warpgroup instance, `stream` for stream decode,
+/// `stream-wide` for its wide instance)
 /// and its split-KV segments and who merges them (e.g. `stream
 /// split-kv(16)`, `decode split-kv(8) + reduce`, `stream + prefill-wgmma`).
 pub(crate) fn describe(
@@ -40,6 +41,8 @@ pub(crate) fn describe(
         .map(|p| {
             let shape = if p.tile.wgmma {
                 format!("{}-wgmma", p.kind.name())
+            } else if p.tile.suffix == STREAM_WIDE_SUFFIX {
+                format!("{}-wide", p.kind.name())
             } else {
                 p.kind.name().to_string()
             };
@@ -209,7 +212,10 @@ pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceRep
             }
         }
         for rows in STREAM_ROWS {
-            if let Some(tile) = stream_tile(head, rows) {
+            for tile in [stream_tile(head, rows), stream_wide_tile(head, rows)]
+                .into_iter()
+                .flatten()
+            {
                 instances.push((Kind::Stream, tile, head, &[false, true]));
             }
         }

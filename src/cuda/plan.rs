@@ -19,7 +19,8 @@ use std::sync::OnceLock;
 use candle_core::{bail, Result};
 
 use super::tiles::{
-    instance_name, smem_bytes, stream_tile, tile_shape, wgmma_tile, Kind, TileShape, HEAD_SIZES,
+    instance_name, smem_bytes, stream_tile, stream_wide_tile, tile_shape, wgmma_tile, Kind,
+    TileShape, HEAD_SIZES,
 };
 use super::{AttnModule, DeviceLimits};
 use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
@@ -225,6 +226,27 @@ pub(super) fn plan(
     for p in parts.iter_mut().flatten() {
         p.resident = resident(p.kind, &p.tile, head)?;
     }
+    // The wide stream-decode instance where the decode part's groups fill
+    // a wave of the default one and fit one wave of it (`prefer_wide`).
+    let decode_seqs = match parts {
+        [_, None] => n,
+        _ => (0..n)
+            .filter(|&i| (1..=fits).contains(&host.q_len(i)))
+            .count(),
+    };
+    let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
+    if let Some(p) = parts[0].as_mut().filter(|p| p.kind == Kind::Stream) {
+        let wide_tile = stream_wide_tile(head, p.tile.rows())
+            .filter(|tile| smem_bytes(tile, head, fp8) <= limits.max_smem_per_block);
+        if let Some(wide_tile) = wide_tile {
+            let groups = decode_seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
+            let wide_resident = resident(Kind::Stream, &wide_tile, head)?;
+            if prefer_wide(stream_mode(), groups, p.resident, wide_resident, sms) {
+                p.tile = wide_tile;
+                p.resident = wide_resident;
+            }
+        }
+    }
     // Split the decode-shaped programs, one per (sequence, KV head, chunk),
     // into the segment count with the least modelled time on the resident
     // programs (`choose_segments`).
@@ -321,7 +343,7 @@ fn stream_decode_tile(
 ) -> Option<TileShape> {
     let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
     let loads = aligned && dims.head_size.is_multiple_of(if fp8 { 16 } else { 8 });
-    if !stream_enabled() || !loads || !dims.block_size.is_multiple_of(16) {
+    if stream_mode() == StreamMode::Off || !loads || !dims.block_size.is_multiple_of(16) {
         return None;
     }
     let group = dims.group_size();
@@ -333,12 +355,55 @@ fn stream_decode_tile(
     stream_tile(head, rows).filter(|tile| smem_bytes(tile, head, fp8) <= limits.max_smem_per_block)
 }
 
-/// False under `CANDLE_PAGED_ATTENTION_STREAM=0`, which keeps decode-shaped
-/// launches on the unified kernel's decode instances, so that tests and the
-/// benchmark cover both. Read once per process.
-fn stream_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("CANDLE_PAGED_ATTENTION_STREAM").map_or(true, |v| v != "0"))
+/// Which decode-shaped instances the plan may take
+/// (`CANDLE_PAGED_ATTENTION_STREAM`, read once per process), so that tests
+/// and the benchmark cover each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StreamMode {
+    /// `0`: the unified kernel's decode instances only.
+    Off,
+    /// The default: stream decode where an instance serves the call, the
+    /// wide one where `prefer_wide` says.
+    Auto,
+    /// `wide`: the wide instance wherever it exists for the call.
+    Wide,
+}
+
+fn stream_mode() -> StreamMode {
+    static MODE: OnceLock<StreamMode> = OnceLock::new();
+    *MODE.get_or_init(
+        || match std::env::var("CANDLE_PAGED_ATTENTION_STREAM").as_deref() {
+            Ok("0") => StreamMode::Off,
+            Ok("wide") => StreamMode::Wide,
+            _ => StreamMode::Auto,
+        },
+    )
+}
+
+/// Whether a stream-decode launch of `groups` (sequence, KV head, chunk)
+/// groups takes the wide instance (`wide_resident` programs per SM) rather
+/// than the default one (`resident`): when more programs fit an SM and the
+/// groups fill a wave of the default instance (which would then split them
+/// into several waves of short segments) but fit one wave of the wide one,
+/// which runs them unsplit. On an H200 (docs/perf.md, version 10) that took
+/// 64 x 1k decodes (512 groups) from 99.2-99.3 to 85.0-85.2 µs and 64 x 8k
+/// from 560.2-560.6 to 542.8-543.4, while the wide instance was slower
+/// where its programs do not fill the SMs (splits of 1-16 sequences: 3-25%)
+/// and 1% slower at 256 x 32k.
+fn prefer_wide(
+    mode: StreamMode,
+    groups: usize,
+    resident: usize,
+    wide_resident: usize,
+    sms: usize,
+) -> bool {
+    match mode {
+        StreamMode::Off => false,
+        StreamMode::Wide => true,
+        StreamMode::Auto => {
+            wide_resident > resident && (resident * sms..=wide_resident * sms).contains(&groups)
+        }
+    }
 }
 
 /// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64|128` forces the prefill tile's
@@ -642,7 +707,8 @@ mod tests {
             (8, Kind::Decode, &HOPPER, 3, 396 / 32),
             (8, Kind::Decode, &A100, 2, 216 / 32),
         ];
-        let cases = if stream_enabled() {
+        // (`CANDLE_PAGED_ATTENTION_STREAM=wide`: the wide instance, 4 per SM.)
+        let cases = if stream_mode() == StreamMode::Auto {
             [unified, stream].concat()
         } else {
             unified.to_vec()
@@ -692,7 +758,7 @@ mod tests {
                 (8, Kind::Decode, Merge::Reduce),
                 (16, Kind::Stream, Merge::InLaunch),
             ] {
-                if kind == Kind::Stream && !stream_enabled() {
+                if kind == Kind::Stream && stream_mode() == StreamMode::Off {
                     continue;
                 }
                 let (q, params) = call_with(128, false, bs, seqs);
@@ -709,7 +775,7 @@ mod tests {
 
     #[test]
     fn decodes_take_the_stream_instance_where_one_serves() {
-        if !stream_enabled() {
+        if stream_mode() == StreamMode::Off {
             eprintln!("skipped: CANDLE_PAGED_ATTENTION_STREAM=0 turns the stream instances off");
             return;
         }
@@ -731,12 +797,15 @@ mod tests {
             for fp8 in [false, true] {
                 let (kind, rows, name) = decode(head, fp8, 16, &one, true);
                 let cache = if fp8 { "_fp8" } else { "" };
+                // `CANDLE_PAGED_ATTENTION_STREAM=wide`: the wide instance.
+                let wide = stream_mode() == StreamMode::Wide && padded == 128;
+                let shape = if wide { "r8w" } else { "r8" };
                 assert_eq!(
                     (kind, rows, name),
                     (
                         Kind::Stream,
                         8,
-                        format!("unified_attention_h{padded}_stream_r8_bf16{cache}")
+                        format!("unified_attention_h{padded}_stream_{shape}_bf16{cache}")
                     ),
                     "head {head}"
                 );
@@ -776,6 +845,65 @@ mod tests {
             let p = plan_on(&q, &params, &sm89).parts[0].expect("a part");
             assert_eq!(p.kind, kind, "fp8 {fp8}");
         }
+    }
+
+    #[test]
+    fn wide_stream_instance_takes_one_wave_batches() {
+        if stream_mode() != StreamMode::Auto {
+            eprintln!("skipped: CANDLE_PAGED_ATTENTION_STREAM overrides the instance choice");
+            return;
+        }
+        // Head 128, 8 KV heads: 8 groups per decode. The default `_r8`
+        // instance holds 3 programs per SM on both devices (A100: by shared
+        // memory, 72,224 bytes), the wide one 4 (its registers; 37,408
+        // bytes over bf16, 21,024 over fp8).
+        let wide = stream_wide_tile(128, 8).expect("a wide h128 instance");
+        assert_eq!(smem_bytes(&wide, 128, false), 37_408);
+        assert_eq!(smem_bytes(&wide, 128, true), 21_024);
+        assert!(stream_wide_tile(64, 8).is_none() && stream_wide_tile(128, 16).is_none());
+        let instance = |limits: &DeviceLimits, fp8, seqs: &[(u32, u32)]| {
+            let (q, params) = call(128, fp8, seqs);
+            let plan = plan_on(&q, &params, limits);
+            let d = plan.parts[0].expect("a decode part");
+            (plan.instance(&d, "bf16", fp8).name, d.resident, d.segments)
+        };
+        let name = |shape: &str, fp8| {
+            let cache = if fp8 { "_fp8" } else { "" };
+            format!("unified_attention_h128_stream_{shape}_bf16{cache}")
+        };
+        // Hopper: 396 slots of `_r8`, 528 of the wide one. 49 sequences
+        // (392 groups) fit a wave of `_r8`; 50 to 66 (400-528) take the
+        // wide instance, unsplit; 67 (536) do not fit one wave of it.
+        for (seqs, keys, wide_expected) in [
+            (49, 1024, false),
+            (50, 1024, true),
+            (64, 1024, true),
+            (64, 8192, true),
+            (66, 32768, true),
+            (67, 1024, false),
+            (256, 1024, false),
+        ] {
+            for fp8 in [false, true] {
+                let (got, resident, segments) = instance(&HOPPER, fp8, &vec![(1, keys); seqs]);
+                let (shape, r) = if wide_expected { ("r8w", 4) } else { ("r8", 3) };
+                assert_eq!((got, resident), (name(shape, fp8), r), "{seqs} x {keys}");
+                if wide_expected {
+                    assert_eq!(segments, 1, "{seqs} x {keys}");
+                }
+            }
+        }
+        // A100 (108 SMs): `_r8` 2 per SM (216 slots), wide 4 (432).
+        for (seqs, wide_expected) in [(26, false), (27, true), (54, true), (55, false)] {
+            let (got, resident, _) = instance(&A100, false, &vec![(1, 1024); seqs]);
+            let (shape, r) = if wide_expected { ("r8w", 4) } else { ("r8", 2) };
+            assert_eq!((got, resident), (name(shape, false), r), "A100, {seqs}");
+        }
+        // A mixed batch counts its decode sequences: 60 decodes (480
+        // groups) beside 4 prefills take it.
+        let mut mixed = vec![(1, 4096); 60];
+        mixed.extend([(512, 512); 4]);
+        let (got, _, _) = instance(&HOPPER, false, &mixed);
+        assert_eq!(got, name("r8w", false));
     }
 
     #[test]

@@ -49,7 +49,8 @@ pub(crate) struct TileShape {
     pub(crate) keys_per_warp: usize,
     /// 16-row MMA tiles per warp.
     pub(crate) m_tiles: usize,
-    /// K/V tiles in the cp.async ring.
+    /// K/V tiles in the cp.async ring; for stream-decode instances, each
+    /// warp's ring stages over a 16-bit cache (see `stream_depth`).
     pub(crate) stages: usize,
     /// Programs of this instance per SM that its registers allow (the
     /// register file over the registers one program uses, as compiled).
@@ -166,7 +167,7 @@ pub(crate) const STREAM_ROWS: [usize; 2] = [8, 16];
 /// The stream-decode instance for padded head size `head` with `rows` (8 or
 /// 16) packed rows, if there is one (none for 16 rows at head size 256):
 /// 4 warps, each with its own ring of 16-key steps in shared memory
-/// ([`stream_depth`] stages; `stages` is unused). Registers allow 3
+/// (`stream_depth` stages: `stages`, or 3 over fp8 at head size 256). Registers allow 3
 /// programs per SM (2 for 16 rows at head size 128 and at head size 256;
 /// as compiled for sm_90a), shared memory 3 or more (head size 256: 3 over
 /// a 16-bit cache, 2 over fp8). Compiled for every target
@@ -179,6 +180,23 @@ pub(crate) fn stream_tile(head: usize, rows: usize) -> Option<TileShape> {
     exists.then(|| stream_shape(head, rows))
 }
 
+/// The kernel name suffix of the wide stream-decode instance.
+pub(crate) const STREAM_WIDE_SUFFIX: &str = "_r8w";
+
+/// The wide stream-decode instance for padded head size `head` with `rows`
+/// packed rows, if there is one (head size 128, 8 rows only): the `_r8`
+/// program with one ring stage per warp, whose registers (at most 128) and
+/// shared memory let 4 programs share an SM instead of 3. The plan takes it
+/// for batches whose groups fill one wave of it and not of `_r8`.
+pub(crate) fn stream_wide_tile(head: usize, rows: usize) -> Option<TileShape> {
+    (head == 128 && rows == 8).then(|| TileShape {
+        stages: 1,
+        max_resident: 4,
+        suffix: STREAM_WIDE_SUFFIX,
+        ..stream_shape(head, rows)
+    })
+}
+
 /// The stream-decode program shape with `rows` (8 or 16) packed rows at
 /// padded head size `head` (see [`stream_tile`] for the residency).
 fn stream_shape(head: usize, rows: usize) -> TileShape {
@@ -187,7 +205,7 @@ fn stream_shape(head: usize, rows: usize) -> TileShape {
         warps_n: 4,
         keys_per_warp: 16,
         m_tiles: rows / 8,
-        stages: 0,
+        stages: if head <= 128 { 2 } else { 1 },
         max_resident: if head == 256 || (head == 128 && rows == 16) {
             2
         } else {
@@ -234,7 +252,7 @@ pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
 fn stream_smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     let dv = head.min(256);
     let (rows, warps) = (tile.rows(), tile.warps_n);
-    let ring = warps * stream_depth(head, fp8) * stream_stage_bytes(head, fp8);
+    let ring = warps * stream_depth(tile, head, fp8) * stream_stage_bytes(head, fp8);
     let merge = warps * rows * (dv + 4) * 4;
     rows * (head + 16) * 2 + rows * 4 + 2 * warps * rows * 4 + ring.max(merge)
 }
@@ -246,15 +264,17 @@ fn stream_stage_bytes(head: usize, fp8: bool) -> usize {
     16 * (head * elem + 16 + head.min(256) * elem + 16)
 }
 
-/// Stages in flight per stream-decode warp: 2; at head size 256, 3 over an
-/// fp8 cache and 1 over a 16-bit one (either way two programs per Hopper
+/// Stages in flight per stream-decode warp: the tile's `stages` (2 up to
+/// head size 128, 1 for the wide instance), except at head size 256 over an
+/// fp8 cache, 3 (1 over a 16-bit one: either way two programs per Hopper
 /// SM; a 16-bit ring of 2 or more would hold one, whose start and merge
-/// nothing overlaps, and not fit an A100's 163 KiB per program).
-fn stream_depth(head: usize, fp8: bool) -> usize {
-    match (head <= 128, fp8) {
-        (true, _) => 2,
-        (false, true) => 3,
-        (false, false) => 1,
+/// nothing overlaps, and not fit an A100's 163 KiB per program). Mirrors
+/// `StreamProgram::DEPTH`.
+fn stream_depth(tile: &TileShape, head: usize, fp8: bool) -> usize {
+    if head > 128 && fp8 {
+        3
+    } else {
+        tile.stages
     }
 }
 

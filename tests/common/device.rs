@@ -22,13 +22,18 @@
 //!   default the reduce launch for the unified kernel's decode instances,
 //!   the launch itself for the stream-decode ones): run the split tests once
 //!   with each to cover both merges of both kernels.
-//! * optionally `CANDLE_PAGED_ATTENTION_OVERLAP=1` (or `decode-first`),
-//!   which runs a mixed batch's prefill launch on a second stream beside
-//!   its decode launch: run the mixed-batch tests once with it.
+//! * optionally `CANDLE_PAGED_ATTENTION_OVERLAP=0`, which runs a mixed
+//!   batch's two launches on candle's stream one after the other (by
+//!   default the prefill launch runs on a second stream beside the decode
+//!   launch; `decode-first` enqueues it after the decode launch): run the
+//!   mixed-batch tests once with it.
 //! * optionally `CANDLE_PAGED_ATTENTION_STREAM=0`, which keeps decode
 //!   launches on the unified kernel's decode instances (by default decodes
 //!   of padded head size 64, 128 or 256 over blocks of a multiple of 16 take
-//!   the stream-decode ones): run the suite once with it to cover both.
+//!   the stream-decode ones): run the suite once with it to cover both;
+//!   `=wide` puts every head-128 8-row decode on the wide stream-decode
+//!   instance (by default only batches that fill one wave of it): run the
+//!   suite once with it too.
 
 use anyhow::{bail, Result};
 use candle_core::Device;
