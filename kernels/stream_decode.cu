@@ -13,7 +13,8 @@
 //   and 256 (src/cuda/plan.rs checks all three; other calls take the
 //   unified kernel's decode instances).
 // * `unified_attention_h128_stream_r8w_{f16|bf16}[_fp8]`: the wide
-//   instance, the same program with one ring stage per warp and registers
+//   instance, the same program with one ring stage per warp (two over
+//   fp8) and registers
 //   for 4 programs per SM (3 for `_r8`), which the plan takes when a
 //   batch's groups fill one wave of it and not of `_r8`.
 //
@@ -134,7 +135,8 @@ __device__ __forceinline__ uint32_t fp8x2_to_h2(uint32_t w) {
 }  // namespace
 
 // One program (see the top of the file). HEAD: padded head size; NR: 8-row
-// tiles of packed rows; WIDE: the wide instance's ring of one stage.
+// tiles of packed rows; WIDE: the wide instance's shorter ring and 4
+// programs per SM.
 template <typename T, typename C, int HEAD, int NR, bool WIDE>
 struct StreamProgram {
   static constexpr bool FP8 = std::is_same<C, fp8_t>::value;
@@ -175,11 +177,11 @@ struct StreamProgram {
   // more hold one program per SM, with nothing to overlap its start and its
   // merge (two programs of 4 warps, one step in flight each, keep 135 KB of
   // an SM in flight), and not fit an A100's 163 KiB per program.
-  // The wide instance (WIDE, head size 128, 8 rows): 1 stage, so that 4
-  // programs fit an SM (16 warps, one step in flight each), for batches
-  // whose (sequence, KV head) groups fill one wave of it (see
-  // src/cuda/plan.rs, `stream_decode_tile`).
-  static constexpr int DEPTH = WIDE ? 1 : HEAD <= 128 ? 2 : FP8 ? 3 : 1;
+  // The wide instance (WIDE, head size 128, 8 rows): 1 stage over a 16-bit
+  // cache (2 over fp8, whose steps are half the bytes), so that 4 programs
+  // fit an SM, for batches whose (sequence, KV head) groups fill one wave
+  // of it (see `prefer_wide` in src/cuda/plan.rs).
+  static constexpr int DEPTH = WIDE ? (FP8 ? 2 : 1) : HEAD <= 128 ? 2 : FP8 ? 3 : 1;
   // Programs per SM the instance is compiled for (registers per thread:
   // at most 128 for 4, 168 for 3, 255 for 2).
   static constexpr int MIN_PROGRAMS = WIDE ? 4 : HEAD <= 128 && NR == 1 ? 3 : 2;

@@ -185,7 +185,8 @@ pub(crate) const STREAM_WIDE_SUFFIX: &str = "_r8w";
 
 /// The wide stream-decode instance for padded head size `head` with `rows`
 /// packed rows, if there is one (head size 128, 8 rows only): the `_r8`
-/// program with one ring stage per warp, whose registers (at most 128) and
+/// program with one ring stage per warp (two over fp8, whose steps are half
+/// the bytes), whose registers (at most 128) and
 /// shared memory let 4 programs share an SM instead of 3. The plan takes it
 /// for batches whose groups fill one wave of it and not of `_r8`.
 pub(crate) fn stream_wide_tile(head: usize, rows: usize) -> Option<TileShape> {
@@ -265,7 +266,8 @@ fn stream_stage_bytes(head: usize, fp8: bool) -> usize {
 }
 
 /// Stages in flight per stream-decode warp: the tile's `stages` (2 up to
-/// head size 128, 1 for the wide instance), except at head size 256 over an
+/// head size 128, 1 for the wide instance), except for the wide instance
+/// over an fp8 cache, 2 (half-size steps), and at head size 256 over an
 /// fp8 cache, 3 (1 over a 16-bit one: either way two programs per Hopper
 /// SM; a 16-bit ring of 2 or more would hold one, whose start and merge
 /// nothing overlaps, and not fit an A100's 163 KiB per program). Mirrors
@@ -273,6 +275,8 @@ fn stream_stage_bytes(head: usize, fp8: bool) -> usize {
 fn stream_depth(tile: &TileShape, head: usize, fp8: bool) -> usize {
     if head > 128 && fp8 {
         3
+    } else if fp8 && tile.suffix == STREAM_WIDE_SUFFIX {
+        2
     } else {
         tile.stages
     }
