@@ -14,7 +14,7 @@ use super::occupancy::{driver_resident, Residency};
 use super::plan::{plan, resident_programs, Instance, Merge, Plan};
 use super::tiles::{
     instance_name, smem_bytes, stream_tile, stream_wide_tile, tile_shape, wgmma_tile, Kind,
-    TileShape, HEAD_SIZES, STREAM_ROWS, STREAM_WIDE_SUFFIX,
+    TileShape, HEAD_SIZES, STREAM_ROWS,
 };
 use super::{attention_function, device_limits, AttnModule};
 use crate::params::{AttentionDims, PagedAttentionParams};
@@ -41,7 +41,7 @@ pub(crate) fn describe(
         .map(|p| {
             let shape = if p.tile.wgmma {
                 format!("{}-wgmma", p.kind.name())
-            } else if p.tile.suffix == STREAM_WIDE_SUFFIX {
+            } else if p.tile.is_stream_wide() {
                 format!("{}-wide", p.kind.name())
             } else {
                 p.kind.name().to_string()

@@ -165,6 +165,7 @@ pub(super) fn plan(
     };
     let group = dims.group_size();
     let n = host.num_seqs();
+    let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
     let all = (0, i32::MAX as usize);
     // Longest span whose rows (times the packed heads) fit one decode-shaped program.
     let fits = 16 / group.min(16);
@@ -207,7 +208,7 @@ pub(super) fn plan(
             .unwrap_or(1)
     };
     let decode_part =
-        |q_lens| match stream_decode_tile(params, dims, head, decode_span, aligned, limits) {
+        |q_lens| match stream_decode_tile(dims, fp8, head, decode_span, aligned, limits) {
             Some(tile) => part(Kind::Stream, tile, dims, n, q_lens),
             None => part(Kind::Decode, decode, dims, n, q_lens),
         };
@@ -228,18 +229,19 @@ pub(super) fn plan(
     }
     // The wide stream-decode instance where the decode part's groups fill
     // a wave of the default one and fit one wave of it (`prefer_wide`).
-    let decode_seqs = match parts {
+    // Sequences of the decode-shaped launch (in a mixed batch, those whose
+    // new tokens fit it).
+    let decode_count = match parts {
         [_, None] => n,
         _ => (0..n)
             .filter(|&i| (1..=fits).contains(&host.q_len(i)))
             .count(),
     };
-    let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
     if let Some(p) = parts[0].as_mut().filter(|p| p.kind == Kind::Stream) {
         let wide_tile = stream_wide_tile(head, p.tile.rows())
             .filter(|tile| smem_bytes(tile, head, fp8) <= limits.max_smem_per_block);
         if let Some(wide_tile) = wide_tile {
-            let groups = decode_seqs * dims.num_kv_heads * p.head_chunks * dv_chunks;
+            let groups = decode_count * dims.num_kv_heads * p.head_chunks * dv_chunks;
             let wide_resident = resident(Kind::Stream, &wide_tile, head)?;
             if prefer_wide(stream_mode(), groups, p.resident, wide_resident, sms) {
                 p.tile = wide_tile;
@@ -282,10 +284,7 @@ pub(super) fn plan(
         }
         (KvSplit::AutoUpTo(keys), [Some(d), Some(_)]) => {
             // As `Auto` below, sized for `keys` instead of the batch's lengths.
-            let decode_seqs = (0..n)
-                .filter(|&i| (1..=fits).contains(&host.q_len(i)))
-                .count();
-            d.segments = auto_segments(d, decode_seqs, keys as usize);
+            d.segments = auto_segments(d, decode_count, keys as usize);
             if d.segments > 1 {
                 ws_seq_rows = fits;
             }
@@ -334,14 +333,13 @@ pub(super) fn plan(
 /// per program. 8 packed rows when the span's rows (times the query heads
 /// of a KV group) fit them, else 16 (none at head size 256).
 fn stream_decode_tile(
-    params: &PagedAttentionParams,
     dims: &AttentionDims,
+    fp8: bool,
     head: usize,
     span: usize,
     aligned: bool,
     limits: &DeviceLimits,
 ) -> Option<TileShape> {
-    let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
     let loads = aligned && dims.head_size.is_multiple_of(if fp8 { 16 } else { 8 });
     if stream_mode() == StreamMode::Off || !loads || !dims.block_size.is_multiple_of(16) {
         return None;

@@ -90,6 +90,10 @@ impl TileShape {
     pub(crate) fn keys(&self) -> usize {
         self.keys_per_warp * self.warps_n
     }
+    /// The wide stream-decode instance (see [`stream_wide_tile`]).
+    pub(crate) fn is_stream_wide(&self) -> bool {
+        self.stream && self.suffix == STREAM_WIDE_SUFFIX
+    }
 }
 
 /// The instance a launch of `kind` uses for padded head size `head`.
@@ -275,7 +279,7 @@ fn stream_stage_bytes(head: usize, fp8: bool) -> usize {
 fn stream_depth(tile: &TileShape, head: usize, fp8: bool) -> usize {
     if head > 128 && fp8 {
         3
-    } else if fp8 && tile.suffix == STREAM_WIDE_SUFFIX {
+    } else if fp8 && tile.is_stream_wide() {
         2
     } else {
         tile.stages
