@@ -22,6 +22,12 @@
 //! bf16-matmul ceilings are measured in the same process, and the floor of
 //! the timing itself (`launch_floor_us`: a replayed graph of one output
 //! allocation and a one-element kernel).
+//!
+//! `--segments N` forces the split-KV segment count (`KvSplit::Segments`).
+//! `--clean-flush` reads a second 256 MiB buffer after each memset, so that
+//! the L2 holds clean lines only when a rep starts: the memset leaves dirty
+//! lines, which the timed forward writes back as its reads evict them (a
+//! diagnostic; vLLM's harness flushes with the memset alone).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -53,6 +59,10 @@ struct Args {
     ceilings: bool,
     /// Forced split-KV segments (`KvSplit::Segments`); the plan's own when unset.
     segments: Option<u32>,
+    /// After each rep's memset, read a second 256 MiB buffer, so that the L2
+    /// holds clean lines only (a diagnostic: vLLM's harness flushes with the
+    /// memset alone).
+    clean_flush: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -65,6 +75,7 @@ fn parse_args() -> Result<Args> {
         target_ms: 100.0,
         ceilings: true,
         segments: None,
+        clean_flush: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -77,8 +88,9 @@ fn parse_args() -> Result<Args> {
             "--target-ms" => args.target_ms = value("--target-ms")?.parse()?,
             "--no-ceilings" => args.ceilings = false,
             "--segments" => args.segments = Some(value("--segments")?.parse()?),
+            "--clean-flush" => args.clean_flush = true,
             "-h" | "--help" => {
-                println!("bench [--shapes shapes.json] [--out ours.jsonl] [--min-reps N] [--max-reps N] [--target-ms MS] [--no-ceilings] [--segments N] [CASE...]");
+                println!("bench [--shapes shapes.json] [--out ours.jsonl] [--min-reps N] [--max-reps N] [--target-ms MS] [--no-ceilings] [--segments N] [--clean-flush] [CASE...]");
                 std::process::exit(0);
             }
             s if s.starts_with("--") => bail!("unknown option {s}"),
@@ -100,6 +112,8 @@ struct Stats {
 struct Timer {
     stream: Arc<CudaStream>,
     flush: CudaSlice<u8>,
+    /// Read after the memset with `--clean-flush` ([64 Mi] f32).
+    clean: Option<Tensor>,
 }
 
 impl Timer {
@@ -134,6 +148,9 @@ impl Timer {
         let ends: Vec<_> = (0..n).map(|_| self.event()).collect::<Result<_>>()?;
         for i in 0..n {
             self.stream.memset_zeros(&mut self.flush)?;
+            if let Some(clean) = &self.clean {
+                clean.sum_all()?;
+            }
             starts[i].record(&self.stream)?;
             f()?;
             ends[i].record(&self.stream)?;
@@ -340,6 +357,11 @@ fn main() -> Result<()> {
     let mut timer = Timer {
         flush: stream.alloc_zeros::<u8>(FLUSH_BYTES)?,
         stream: stream.clone(),
+        clean: if args.clean_flush {
+            Some(Tensor::zeros(FLUSH_BYTES / 4, DType::F32, &dev)?)
+        } else {
+            None
+        },
     };
     let mut out =
         std::fs::File::create(&args.out).with_context(|| format!("creating {}", args.out))?;

@@ -493,27 +493,48 @@ struct StreamProgram {
   // Warp step j's 16 key rows and 16 value rows into ring stage j % DEPTH
   // (cp.async, 16 bytes each, zeros for keys no row sees and past
   // head_size); nothing past the warp's steps. The caller commits a group
-  // either way.
+  // either way. Lane l copies 16-byte chunk l % CH of rows l / CH + RSTEP t
+  // (t < PASSES) of both, so its source and destination addresses advance
+  // by fixed strides; a step whose 16 keys every row sees (all but the
+  // edges of a span) tests no key.
   __device__ __forceinline__ void issue(int j) {
     if (j >= nw) return;
     const uint32_t blk = block_of(j);
     const int key0 = k_base + 16 * (st_begin + warp + 4 * j);
     unsigned char* st = ring + (j % DEPTH) * STAGE;
     constexpr int CH = KBYTES / 16;  // 16-byte chunks per key (and value) row
-    static_assert(KBYTES == VBYTES && (16 * CH) % 32 == 0, "whole passes of the warp over K and V rows alike");
+    static_assert(KBYTES == VBYTES && CH <= 32 && 32 % CH == 0, "whole passes of the warp over K and V rows alike");
+    constexpr int RSTEP = 32 / CH;      // rows per pass
+    constexpr int PASSES = 16 / RSTEP;  // passes per step
+    const int lrow = lane / CH, ch = lane % CH;
+    const bool ch_ok = ch * EUK < hs;
     const char* kc = static_cast<const char*>(p.k_cache);
     const char* vc = static_cast<const char*>(p.v_cache);
     // The step's 16 keys lie in block `blk` from row key0 % bs on.
     const int64_t blk_off = ((int64_t)blk * p.block_stride + (int64_t)kv_head * hs) * (int64_t)sizeof(C);
     const int row0 = bs_pow2 ? key0 & (bs - 1) : key0 % bs;
+    const int64_t off0 = blk_off + (int64_t)(row0 + lrow) * row_bytes + ch * 16;
+    unsigned char* dk = st + lrow * KROW + ch * 16;
+    unsigned char* dv = st + 16 * KROW + lrow * VROW + ch * 16;
+    if (key0 >= c_lo && key0 + 16 <= min(c_hi, k_hi)) {
+      // Every key of the step is live: only a lane's chunk past head_size
+      // (the same for all its rows) is zero-filled, from no address.
+      const int64_t stride = ch_ok ? RSTEP * row_bytes : 0;
+      const char* ks = ch_ok ? kc + off0 : kc;
+      const char* vs = ch_ok ? vc + off0 : vc;
 #pragma unroll
-    for (int t = 0; t < 16 * CH / 32; ++t) {
-      const int idx = lane + 32 * t, row = idx / CH, ch = idx % CH;
-      const int key = key0 + row;
-      const bool ok = key_live(key) && ch * EUK < hs;
-      const int64_t off = blk_off + (int64_t)(row0 + row) * row_bytes + ch * 16;
-      cp_async_16(st + row * KROW + ch * 16, ok ? kc + off : kc, ok);
-      cp_async_16(st + 16 * KROW + row * VROW + ch * 16, ok ? vc + off : vc, ok);
+      for (int t = 0; t < PASSES; ++t) {
+        cp_async_16(dk + t * RSTEP * KROW, ks + t * stride, ch_ok);
+        cp_async_16(dv + t * RSTEP * VROW, vs + t * stride, ch_ok);
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < PASSES; ++t) {
+        const bool ok = ch_ok && key_live(key0 + lrow + RSTEP * t);
+        const int64_t off = off0 + (int64_t)t * RSTEP * row_bytes;
+        cp_async_16(dk + t * RSTEP * KROW, ok ? kc + off : kc, ok);
+        cp_async_16(dv + t * RSTEP * VROW, ok ? vc + off : vc, ok);
+      }
     }
   }
 

@@ -260,11 +260,13 @@ pub(super) fn plan(
         // A stream-decode segment can be one 16-key step per warp.
         let segment_keys = if p.kind == Kind::Stream { 64 } else { 128 };
         let segments = choose_segments(active, slots, keys, key_bytes, segment_keys);
-        // A stream-decode split of one wave: at most two programs per SM
-        // (`ONE_WAVE_STREAM_PROGRAMS`).
+        // A stream-decode split of one wave: at most one program per SM
+        // over a 16-bit cache, two over fp8 (`one_wave_stream_programs`),
+        // and still one wave of those.
         if p.kind == Kind::Stream && segments > 1 && active * segments <= slots {
-            let one_wave = sms * p.resident.min(ONE_WAVE_STREAM_PROGRAMS);
-            return choose_segments(active, one_wave, keys, key_bytes, segment_keys);
+            let one_wave = sms * p.resident.min(one_wave_stream_programs(fp8));
+            let fit = (one_wave / active).max(1);
+            return choose_segments(active, one_wave, keys, key_bytes, segment_keys).min(fit);
         }
         segments
     };
@@ -470,14 +472,24 @@ pub(super) fn resident_programs(
 /// same figure in bytes, not in keys.
 const SEGMENT_OVERHEAD_BYTES: usize = 64 << 10;
 
-/// Programs per SM that a stream-decode split of one wave is sized for:
-/// past two, the last program of each group merges more segments (in
-/// batches of 16, one round trip through L2 each) than the shorter
-/// segments save. Measured on an H200 (docs/perf.md, version 8) with
-/// forced counts: b1 L32k 55.4 µs in 32 segments (256 programs) against
-/// 58.4 in 49 (392); b1 L8k 25.9 against 29.2; b16 L1k 36.1 in 2 against
-/// 36.6 in 3.
-const ONE_WAVE_STREAM_PROGRAMS: usize = 2;
+/// Programs per SM that a stream-decode split of one wave is sized for: one
+/// over a 16-bit cache, two over fp8. Past one, the SM's programs stream
+/// no faster together than one alone does at these lengths, and each extra
+/// segment adds its start and its share of the merge; fp8 steps convert
+/// their keys and values in registers, so a second program's warps help.
+/// Measured on an H200 (docs/perf.md, version 11) with forced counts, µs,
+/// one program per SM against two: b16 L1k 33.3 against 36.1, b1 L8k 25.1
+/// against 27.4, b1 L32k 53.8 against 56.0, b4 L1k 17.9 against 18.2,
+/// b16 L8k 147.5 against 149.0; b4 L8k 53.6 against 53.4, b4 L32k 150.3
+/// against 149.4, b16 L32k 537.3 against 532.3; fp8 b1 L32k 42.8 against
+/// 39.6.
+fn one_wave_stream_programs(fp8: bool) -> usize {
+    if fp8 {
+        2
+    } else {
+        1
+    }
+}
 
 /// Segments per program for `active` programs that see up to `keys` keys of
 /// `key_bytes` bytes (K and V) each, on `slots` resident programs: the
@@ -696,10 +708,10 @@ mod tests {
         // per A100 SM).
         // Blocks of 16: the stream-decode instance (3 per Hopper SM, 2 per
         // A100 SM: 72,224 bytes of shared memory), whose split of one wave
-        // is sized for 2 programs per SM.
+        // over a 16-bit cache is sized for 1 program per SM.
         let stream = [
-            (16, Kind::Stream, &HOPPER, 3, 264 / 32),
-            (16, Kind::Stream, &A100, 2, 216 / 32),
+            (16, Kind::Stream, &HOPPER, 3, 132 / 32),
+            (16, Kind::Stream, &A100, 2, 108 / 32),
         ];
         let unified = [
             (8, Kind::Decode, &HOPPER, 3, 396 / 32),
@@ -902,6 +914,34 @@ mod tests {
         mixed.extend([(512, 512); 4]);
         let (got, _, _) = instance(&HOPPER, false, &mixed);
         assert_eq!(got, name("r8w", false));
+    }
+
+    #[test]
+    fn one_wave_stream_splits_hold_one_program_per_sm_over_16_bit_caches() {
+        if stream_mode() != StreamMode::Auto {
+            eprintln!("skipped: CANDLE_PAGED_ATTENTION_STREAM overrides the instance choice");
+            return;
+        }
+        // Head 128, 8 KV heads (8 groups per sequence) on Hopper's 132 SMs:
+        // a split that fits one wave takes at most 132 programs over bf16,
+        // 264 over fp8.
+        let segments = |fp8, seqs: usize, keys: u32| {
+            let (q, params) = call(128, fp8, &vec![(1, keys); seqs]);
+            let plan = plan_on(&q, &params, &HOPPER);
+            plan.parts[0].expect("a decode part").segments
+        };
+        for (seqs, keys, bf16, fp8) in [
+            (1, 1024, 16, 16),
+            (1, 8192, 16, 33),
+            (1, 32768, 16, 33),
+            (4, 1024, 4, 8),
+            (4, 8192, 4, 8),
+            (16, 1024, 1, 2),
+            (16, 32768, 1, 2),
+        ] {
+            assert_eq!(segments(false, seqs, keys), bf16, "bf16 {seqs} x {keys}");
+            assert_eq!(segments(true, seqs, keys), fp8, "fp8 {seqs} x {keys}");
+        }
     }
 
     #[test]
