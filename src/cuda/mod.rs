@@ -297,6 +297,13 @@ fn device_limits(dev: &CudaDevice) -> Result<DeviceLimits> {
     Ok(limits)
 }
 
+/// A launch switch read from environment variable `name` once per process
+/// into `cell`: `parse` maps the value (`None` when unset or not UTF-8) to
+/// the switch. Tests and the benchmark set these to cover every path.
+fn env_switch<T: Copy>(cell: &'static OnceLock<T>, name: &str, parse: fn(Option<&str>) -> T) -> T {
+    *cell.get_or_init(|| parse(std::env::var(name).ok().as_deref()))
+}
+
 /// True when `CANDLE_PAGED_ATTENTION_POISON` is set: outputs are filled with
 /// NaN before the kernels run, so that an element the kernels fail to write
 /// shows up in tests. Read at every call (a `getenv`, negligible next to a

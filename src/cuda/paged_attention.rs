@@ -64,8 +64,8 @@ use super::plan::{plan, Instance, Merge, Part, Plan};
 use super::tiles::Kind;
 use super::workspace::{self, SideStream, Workspace};
 use super::{
-    attention_function, cuda_storage, device_address, fill_nan, function, optional_address,
-    poison_outputs, DeviceLimits, ATTENTION_MODULE,
+    attention_function, cuda_storage, device_address, env_switch, fill_nan, function,
+    optional_address, poison_outputs, DeviceLimits, ATTENTION_MODULE,
 };
 use crate::params::{AttentionDims, PagedAttentionParams};
 
@@ -634,13 +634,11 @@ enum Overlap {
 /// else: `1`), read once per process; tests and the benchmark cover each.
 fn overlap_mode() -> Overlap {
     static MODE: OnceLock<Overlap> = OnceLock::new();
-    *MODE.get_or_init(
-        || match std::env::var("CANDLE_PAGED_ATTENTION_OVERLAP").as_deref() {
-            Ok("0") => Overlap::Off,
-            Ok("decode-first") => Overlap::DecodeFirst,
-            _ => Overlap::PrefillFirst,
-        },
-    )
+    env_switch(&MODE, "CANDLE_PAGED_ATTENTION_OVERLAP", |v| match v {
+        Some("0") => Overlap::Off,
+        Some("decode-first") => Overlap::DecodeFirst,
+        _ => Overlap::PrefillFirst,
+    })
 }
 
 /// The split-KV reduce of a part that does not merge its own partials
