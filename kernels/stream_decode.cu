@@ -132,6 +132,18 @@ __device__ __forceinline__ uint32_t fp8x2_to_h2(uint32_t w) {
   return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
+// The same for the high 16 bits of w. From sm_89 the conversion reads the
+// register's upper half itself (no shift instruction).
+__device__ __forceinline__ uint32_t fp8x2_hi_to_h2(uint32_t w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(w));
+  return r;
+#else
+  return fp8x2_to_h2(w >> 16);
+#endif
+}
+
 }  // namespace
 
 // One program (see the top of the file). HEAD: padded head size; NR: 8-row
@@ -596,8 +608,8 @@ struct StreamProgram {
       if constexpr (FP8) {
         a[0] = fp8x2_to_h2(kr[0][kk]);
         a[1] = fp8x2_to_h2(kr[1][kk]);
-        a[2] = fp8x2_to_h2(kr[0][kk] >> 16);
-        a[3] = fp8x2_to_h2(kr[1][kk] >> 16);
+        a[2] = fp8x2_hi_to_h2(kr[0][kk]);
+        a[3] = fp8x2_hi_to_h2(kr[1][kk]);
       } else {
         a[0] = kr[0][2 * kk];
         a[1] = kr[1][2 * kk];
@@ -700,9 +712,9 @@ struct StreamProgram {
         const uint32_t x01 = __byte_perm(vr[0][w], vr[1][w], sel);
         const uint32_t x23 = __byte_perm(vr[2][w], vr[3][w], sel);
         a[0] = fp8x2_to_h2(x01);
-        a[1] = fp8x2_to_h2(x01 >> 16);
+        a[1] = fp8x2_hi_to_h2(x01);
         a[2] = fp8x2_to_h2(x23);
-        a[3] = fp8x2_to_h2(x23 >> 16);
+        a[3] = fp8x2_hi_to_h2(x23);
       } else {
         a[0] = __byte_perm(vr[0][mt], vr[1][mt], 0x5410u);
         a[1] = __byte_perm(vr[0][mt], vr[1][mt], 0x7632u);
