@@ -149,9 +149,10 @@ pub struct Args {
     kv_memory_mb: Option<usize>,
     /// On CUDA, the fraction of the device memory the process may use: the
     /// KV cache takes what is left of it after the weights and a profiled
-    /// forward pass of --chunk-tokens tokens.
-    #[arg(long, default_value_t = candle_paged_attention::models::DEFAULT_GPU_MEMORY_UTILIZATION)]
-    gpu_memory_utilization: f64,
+    /// forward pass of --chunk-tokens tokens (default 0.9). Ignored, with a
+    /// note, on the CPU and when --num-blocks or --kv-memory-mb is given.
+    #[arg(long)]
+    gpu_memory_utilization: Option<f64>,
     /// Give sliding-window layers (Gemma) their own caches of N blocks,
     /// recycling blocks that fell out of the window.
     #[arg(long)]
@@ -245,7 +246,8 @@ fn chat_template(args: &Args, tok: &ModelTokenizer) -> Result<Option<ChatTemplat
 fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
     let mut file =
         std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let ct = gguf_file::Content::read(&mut file)?;
+    let ct = candle_paged_attention::models::limits::read_gguf(&mut file)
+        .with_context(|| format!("reading {}", path.display()))?;
     let mut tokenizer = ModelTokenizer::from_gguf(&ct)?;
     if let Some(p) = &args.tokenizer {
         tokenizer.tokenizer = Tokenizer::from_file(p)
@@ -452,6 +454,26 @@ fn read_prompts(args: &Args) -> Result<Vec<String>> {
     Ok(prompts)
 }
 
+/// `--gpu-memory-utilization`, or its default.
+fn gpu_memory_utilization(args: &Args) -> f64 {
+    args.gpu_memory_utilization
+        .unwrap_or(candle_paged_attention::models::DEFAULT_GPU_MEMORY_UTILIZATION)
+}
+
+/// A note when `--gpu-memory-utilization` is given where it sizes nothing:
+/// on the CPU, or beside `--num-blocks` or `--kv-memory-mb`.
+pub fn unused_utilization_note(args: &Args, dev: &Device) -> Option<String> {
+    let u = args.gpu_memory_utilization?;
+    if dev.is_cpu() {
+        return Some(format!(
+            "note: --gpu-memory-utilization {u} is ignored on the CPU (the cache is sized by --num-blocks or --kv-memory-mb, 256 MiB by default)"
+        ));
+    }
+    (args.num_blocks.is_some() || args.kv_memory_mb.is_some()).then(|| {
+        format!("note: --gpu-memory-utilization {u} is ignored: --num-blocks or --kv-memory-mb sizes the cache")
+    })
+}
+
 /// Checks the flags that need no model, before anything is loaded.
 fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
     let positive = [
@@ -473,7 +495,7 @@ fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
             bail!("--kv-memory-mb {mb} is too large: its bytes overflow usize");
         }
     }
-    let u = args.gpu_memory_utilization;
+    let u = gpu_memory_utilization(args);
     if !(u > 0.0 && u <= 1.0) {
         bail!("--gpu-memory-utilization must be in (0, 1], got {u}");
     }
@@ -497,8 +519,13 @@ fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
     penalty.validate().context("--repeat-penalty")?;
     kv_cache_dtype(&args.kv_cache_dtype)?;
     if let Some(p) = &args.chat_template {
-        std::fs::metadata(p)
+        // Read and compiled now (with empty BOS and EOS texts), so that a
+        // folder, an unreadable file or a syntax error is reported before
+        // the model loads.
+        let source = std::fs::read_to_string(p)
             .with_context(|| format!("--chat-template: reading {}", p.display()))?;
+        ChatTemplate::new(&source, "", "")
+            .with_context(|| format!("--chat-template {}", p.display()))?;
     }
     if args.raw && args.system.is_some() {
         bail!(
@@ -556,13 +583,14 @@ fn cache_plan(args: &Args, model: &dyn PagedModel, dev: &Device) -> Result<(Cach
         ),
         (None, None) => (
             CacheSizing::Device {
-                utilization: args.gpu_memory_utilization,
+                utilization: gpu_memory_utilization(args),
                 max_batch_tokens: args.chunk_tokens,
                 max_num_seqs: args.max_num_seqs,
             },
             format!(
                 "--gpu-memory-utilization {} (with --chunk-tokens {})",
-                args.gpu_memory_utilization, args.chunk_tokens
+                gpu_memory_utilization(args),
+                args.chunk_tokens
             ),
         ),
     };
@@ -605,6 +633,9 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         "cuda" => Device::new_cuda(0).context("--device cuda")?,
         d => bail!("--device must be cpu or cuda, got {d}"),
     };
+    if let Some(note) = unused_utilization_note(&args, &dev) {
+        eprintln!("{note}");
+    }
     let path = match (&args.model, &args.model_id) {
         (_, Some(id)) => hub_model(&args, id)?,
         (Some(p), None) if p.as_os_str() == "gemma3-270m" && !p.exists() => {
@@ -724,6 +755,8 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
     }
     let start = Instant::now();
     let tok = &loaded.tokenizer.tokenizer;
+    // A decoding error of the streamed prompt: it fails like any other.
+    let mut stream_error = None;
     let result = if prompts.len() == 1 {
         writeln!(out, "> {}", echo(&prompts[0], args.verbose))?;
         let mut stream = TextStream::new();
@@ -748,9 +781,7 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
             }
         }
         writeln!(out)?;
-        if let Some(e) = err {
-            writeln!(out, "error: prompt 0: {e}")?;
-        }
+        stream_error = err.map(|e| format!("prompt 0: decoding its text failed: {e}"));
         done
     } else {
         // Per-prompt progress on stderr (drawn only on a terminal): prompts
@@ -790,7 +821,10 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
     for (i, outcome) in outcomes.iter().enumerate() {
         let error = match outcome {
             Outcome::Refused(e) => Some(e.clone()),
-            Outcome::Done(c) => c.error().map(|e| format!("prompt {i}: {e}")),
+            Outcome::Done(c) => c
+                .error()
+                .map(|e| format!("prompt {i}: {e}"))
+                .or_else(|| stream_error.clone()),
             Outcome::Unfinished => Some(format!("prompt {i}: unfinished when generation failed")),
         };
         if prompts.len() > 1 {
@@ -798,7 +832,11 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
             if let Outcome::Done(c) = outcome {
                 match tokenizer::decode(tok, &c.tokens) {
                     Ok(text) => writeln!(out, "{}", text.trim())?,
-                    Err(e) => writeln!(out, "error: prompt {i}: {e}")?,
+                    Err(e) => {
+                        // Counted below, with the prompt's other error if any.
+                        failed += usize::from(error.is_none());
+                        writeln!(out, "error: prompt {i}: decoding its text failed: {e}")?;
+                    }
                 }
             }
         }

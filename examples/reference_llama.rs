@@ -49,7 +49,7 @@ fn main() -> Result<()> {
     };
     let path = model_path(args.model)?;
     let mut file = std::fs::File::open(&path).with_context(|| format!("opening {path:?}"))?;
-    let content = gguf_file::Content::read(&mut file)?;
+    let content = candle_paged_attention::models::limits::read_gguf(&mut file)?;
     let tok = tokenizer::tokenizer_from_gguf(&content)?;
     let mut model = ModelWeights::from_gguf(content, &mut file, &device)?;
     let prompt = tokenizer::encode(&tok, &chat::smollm2_chat_prompt(&args.prompt))?;

@@ -91,8 +91,8 @@
 //! `--ref-requests`), and in batches of
 //! `--max-num-seqs` when all requests have one prompt length and one output
 //! length and arrive together. The batch-1 decode floor is the weight bytes
-//! a step reads over `--copy-bandwidth-gbs` (default 4300, an H200's
-//! measured copy bandwidth). `--json PATH` writes everything as JSON;
+//! a step reads over `--copy-bandwidth-gbs` (on CUDA by default 4300, an
+//! H200's measured copy bandwidth; on the CPU only when the flag gives one). `--json PATH` writes everything as JSON;
 //! `--no-reference` skips the dense side, `--no-warmup` the warm-up request.
 
 #[path = "throughput/paged.rs"]
@@ -117,6 +117,10 @@ use candle_paged_attention::models::{
     llama, quantized_llama, CacheConfig, CacheSizing, PagedKvCache, PagedModel, PagedOptions,
 };
 use candle_paged_attention::Attention;
+
+/// The copy bandwidth of the weight-read floor on CUDA without
+/// `--copy-bandwidth-gbs`: an H200's, measured (GB/s).
+const DEFAULT_COPY_BANDWIDTH_GBS: f64 = 4300.0;
 use candle_transformers::models as ct;
 use clap::{Parser, ValueEnum};
 use rand::SeedableRng;
@@ -249,9 +253,10 @@ struct Args {
     #[arg(long, default_value_t = 0.02)]
     weight_std: f64,
 
-    /// Copy bandwidth in GB/s for the weight-read floor (H200: about 4300).
-    #[arg(long, default_value_t = 4300.0)]
-    copy_bandwidth_gbs: f64,
+    /// Copy bandwidth in GB/s for the weight-read floor (default on CUDA:
+    /// 4300, an H200's; on the CPU no floor is printed without it).
+    #[arg(long)]
+    copy_bandwidth_gbs: Option<f64>,
     /// Skip candle-transformers.
     #[arg(long)]
     no_reference: bool,
@@ -352,7 +357,7 @@ fn load_gguf(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
     let open = || -> Result<(std::fs::File, gguf_file::Content)> {
         let mut f =
             std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-        let ct = gguf_file::Content::read(&mut f)?;
+        let ct = candle_paged_attention::models::limits::read_gguf(&mut f)?;
         Ok((f, ct))
     };
     let (mut file, ct) = open()?;
@@ -609,6 +614,12 @@ fn count_equal(engine: &[Vec<u32>], other: &[Vec<u32>]) -> (usize, usize) {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if let Some(gbs) = args
+        .copy_bandwidth_gbs
+        .filter(|g| !(g.is_finite() && *g > 0.0))
+    {
+        bail!("--copy-bandwidth-gbs must be finite and positive, got {gbs}");
+    }
     if args.dequantize {
         // candle's QMatMul reads this on first use: candle-transformers'
         // quantized_llama then holds f32 weights like our dequantized model.
@@ -787,7 +798,12 @@ fn main() -> Result<()> {
         }
     }
 
-    let floor_s = loaded.step_weight_bytes as f64 / (args.copy_bandwidth_gbs * 1e9);
+    // The floor needs the device's copy bandwidth: an H200's by default on
+    // CUDA, none on the CPU unless given.
+    let bandwidth_gbs = args
+        .copy_bandwidth_gbs
+        .or(dev.is_cuda().then_some(DEFAULT_COPY_BANDWIDTH_GBS));
+    let floor_s = bandwidth_gbs.map(|gbs| loaded.step_weight_bytes as f64 / (gbs * 1e9));
     println!("\n## Throughput: {}\n", loaded.description);
     println!(
         "{} requests; prompt {prompt_desc}; output {output_desc}; arrivals {arrivals}; seed {}; greedy, no stop tokens.\n",
@@ -817,18 +833,29 @@ fn main() -> Result<()> {
         ),
         None => {}
     }
-    println!(
-        "Weight-read floor of a batch-1 decode step: {:.3} GB / {} GB/s = {:.4} ms ({:.0} tok/s); measured ITL p50: engine {:.3} ms (up to {} sequences per step){}.",
-        loaded.step_weight_bytes as f64 / 1e9,
-        args.copy_bandwidth_gbs,
-        floor_s * 1e3,
-        1.0 / floor_s,
+    let measured = format!(
+        "measured ITL p50: engine {:.3} ms (up to {} sequences per step){}",
         engine.stats.itl_ms(50.0),
         engine.stats.max_batch,
         refs.first()
-            .map(|r| format!(", candle-transformers one at a time {:.3} ms", r.itl_ms(50.0)))
+            .map(|r| format!(
+                ", candle-transformers one at a time {:.3} ms",
+                r.itl_ms(50.0)
+            ))
             .unwrap_or_default()
     );
+    match (floor_s, bandwidth_gbs) {
+        (Some(floor_s), Some(gbs)) => println!(
+            "Weight-read floor of a batch-1 decode step: {:.3} GB / {gbs} GB/s = {:.4} ms ({:.0} tok/s); {measured}.",
+            loaded.step_weight_bytes as f64 / 1e9,
+            floor_s * 1e3,
+            1.0 / floor_s,
+        ),
+        _ => println!(
+            "No weight-read floor: the CPU's copy bandwidth is not known (--copy-bandwidth-gbs gives it); a batch-1 decode step reads {:.3} GB of weights; {measured}.",
+            loaded.step_weight_bytes as f64 / 1e9,
+        ),
+    }
 
     if let Some(p) = &args.json {
         let v = json!({
@@ -868,8 +895,8 @@ fn main() -> Result<()> {
             }),
             "floor": {
                 "step_weight_bytes": loaded.step_weight_bytes,
-                "copy_bandwidth_gbs": args.copy_bandwidth_gbs,
-                "batch1_decode_step_ms": floor_s * 1e3,
+                "copy_bandwidth_gbs": bandwidth_gbs,
+                "batch1_decode_step_ms": floor_s.map(|f| f * 1e3),
             },
         });
         std::fs::write(p, serde_json::to_string_pretty(&v)?)

@@ -90,6 +90,8 @@ fn flags_are_checked_before_loading_and_name_the_flag() -> Result<()> {
             &["--chat-template", "/nonexistent/t.jinja"],
             "--chat-template: reading /nonexistent/t.jinja",
         ),
+        // A folder is caught before the model loads, as any unreadable file.
+        (&["--chat-template", "/"], "--chat-template: reading /"),
     ];
     for (flags, want) in checks {
         let got = error_of(flags)?;
@@ -98,6 +100,80 @@ fn flags_are_checked_before_loading_and_name_the_flag() -> Result<()> {
             "{flags:?}: expected {want:?}, got {got:?}"
         );
     }
+    Ok(())
+}
+
+/// A template with a syntax error is refused with the flag before the
+/// model loads (the default model is never fetched for it).
+#[test]
+fn a_chat_template_with_a_syntax_error_is_refused_before_loading() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("cpa-runner-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("bad.jinja");
+    std::fs::write(&path, "{% for m in messages %}{{ m.content }")?;
+    let p = path.display().to_string();
+    let got = error_of(&["/nonexistent/model.gguf", "--chat-template", &p])?;
+    ensure!(
+        got.starts_with(&format!("--chat-template {p}: ")) && got.contains("syntax error"),
+        "{got}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// `--gpu-memory-utilization` sizes nothing on the CPU or beside
+/// `--num-blocks` / `--kv-memory-mb`: the runner says so instead of
+/// ignoring it silently.
+#[test]
+fn an_unused_gpu_memory_utilization_is_noted() -> Result<()> {
+    let args = |flags: &[&str]| {
+        generate::Args::try_parse_from(std::iter::once("generate").chain(flags.iter().copied()))
+    };
+    let cpu = candle_core::Device::Cpu;
+    let note =
+        generate::unused_utilization_note(&args(&["--gpu-memory-utilization", "0.5"])?, &cpu);
+    ensure!(
+        note.as_deref()
+            == Some("note: --gpu-memory-utilization 0.5 is ignored on the CPU (the cache is sized by --num-blocks or --kv-memory-mb, 256 MiB by default)"),
+        "{note:?}"
+    );
+    ensure!(generate::unused_utilization_note(&args(&[])?, &cpu).is_none());
+    Ok(())
+}
+
+/// A text decoding error of the one streamed prompt fails the run (a
+/// tokenizer of 4 words cannot decode SmolLM2's tokens).
+#[test]
+fn a_streaming_decode_error_gives_a_non_zero_exit() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("cpa-runner-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("tokenizer.json");
+    std::fs::write(
+        &path,
+        r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+  "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+  "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "what": 1, "is": 2, "it": 3}, "unk_token": "[UNK]"}}"#,
+    )?;
+    let p = path.display().to_string();
+    let (out, err) = run(&[
+        "--raw",
+        "--prompt",
+        "what is it",
+        "--max-tokens",
+        "4",
+        "--tokenizer",
+        &p,
+    ])?;
+    let err = err.unwrap_or_default();
+    ensure!(
+        err == "1 of 1 prompts failed (see their errors above)",
+        "{err} / {out}"
+    );
+    ensure!(
+        out.contains("error: prompt 0: decoding its text failed: tokenizer: token id "),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Activation, Embedding, Linear, VarBuilder};
 
 use super::layers::{softcap, FusedLinear, GatedMlp, GemmaRmsNorm};
+use super::limits::{self, DecoderShape};
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
@@ -294,6 +295,20 @@ pub struct Gemma2 {
 impl Gemma2 {
     /// Loads a Hugging Face Gemma 2 checkpoint (`model.*`) from `vb`.
     pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Self> {
+        DecoderShape {
+            component: OP,
+            source: "config.json ",
+            hidden_size: ("hidden_size", cfg.hidden_size),
+            num_heads: ("num_attention_heads", cfg.num_attention_heads),
+            num_kv_heads: ("num_key_value_heads", cfg.num_key_value_heads),
+            head_dim: ("head_dim", cfg.head_dim),
+            num_layers: ("num_hidden_layers", cfg.num_hidden_layers),
+            max_layers: None,
+            rope_dim: ("head_dim", cfg.head_dim),
+            rms_norm_eps: ("rms_norm_eps", cfg.rms_norm_eps),
+            rope_bases: &[("rope_theta", cfg.rope_theta)],
+        }
+        .check()?;
         let trunk = GemmaTrunk::load(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -302,7 +317,7 @@ impl Gemma2 {
             &vb,
         )?;
         let vb_l = vb.pp("model.layers");
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut layers = limits::layers_vec(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let spec = GemmaAttentionSpec {
                 hidden_size: cfg.hidden_size,

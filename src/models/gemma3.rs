@@ -12,6 +12,7 @@ use candle_nn::{Activation, VarBuilder};
 
 pub use super::gemma2::LayerType;
 use super::gemma2::{GemmaAttentionSpec, GemmaDecoderLayer, GemmaTrunk};
+use super::limits::{self, DecoderShape};
 use super::rotary::RotaryEmbedding;
 use super::{check_cache, check_input, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::Attention;
@@ -110,6 +111,23 @@ pub struct Gemma3 {
 impl Gemma3 {
     /// Loads a Hugging Face Gemma 3 text checkpoint (`model.*`) from `vb`.
     pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Self> {
+        DecoderShape {
+            component: OP,
+            source: "config.json ",
+            hidden_size: ("hidden_size", cfg.hidden_size),
+            num_heads: ("num_attention_heads", cfg.num_attention_heads),
+            num_kv_heads: ("num_key_value_heads", cfg.num_key_value_heads),
+            head_dim: ("head_dim", cfg.head_dim),
+            num_layers: ("num_hidden_layers", cfg.num_hidden_layers),
+            max_layers: None,
+            rope_dim: ("head_dim", cfg.head_dim),
+            rms_norm_eps: ("rms_norm_eps", cfg.rms_norm_eps),
+            rope_bases: &[
+                ("rope_theta", cfg.rope_theta),
+                ("rope_local_base_freq", cfg.rope_local_base_freq),
+            ],
+        }
+        .check()?;
         let trunk = GemmaTrunk::load(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -118,7 +136,7 @@ impl Gemma3 {
             &vb,
         )?;
         let vb_l = vb.pp("model.layers");
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut layers = limits::layers_vec(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let spec = GemmaAttentionSpec {
                 hidden_size: cfg.hidden_size,

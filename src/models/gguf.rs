@@ -11,12 +11,13 @@
 //! * [`lm_head`] - the tail of a forward pass: the requested rows, the final
 //!   norm, the output projection, f32 logits.
 
-use std::io::{Read, Seek};
+use std::io::{Read, Seek, SeekFrom};
 
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
 
 use super::layers::QProjections;
+use super::limits::gguf::check_tensor;
 use super::select_rows;
 
 /// Fails unless `dtype` is an activation dtype of the GGUF models: f32,
@@ -75,8 +76,15 @@ impl<'a, R: Read + Seek> GgufWeights<'a, R> {
             .or((float && self.activation != DType::F32).then_some(self.activation))
     }
 
-    /// The tensor `name` as stored, on `device`.
+    /// The tensor `name` as stored, on `device`; its shape and bytes are
+    /// checked against the file first ([`limits::gguf::check_tensor`]: the
+    /// content may come from candle's unchecked reader).
     fn qtensor(&mut self, name: &str, device: &Device) -> Result<QTensor> {
+        let Some(info) = self.ct.tensor_infos.get(name) else {
+            bail!("{}: the GGUF file has no tensor {name}", self.component);
+        };
+        let file_size = self.reader.seek(SeekFrom::End(0))?;
+        check_tensor(name, info, self.ct.tensor_data_offset, file_size)?;
         self.ct.tensor(self.reader, name, device)
     }
 

@@ -17,6 +17,7 @@ pub use candle_transformers::models::llama::{
 };
 
 use super::layers::{FusedLinear, FusedRmsNorm, GatedMlp};
+use super::limits::{self, DecoderShape};
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
@@ -139,6 +140,34 @@ impl Llama {
                 cfg.num_attention_heads
             );
         }
+        let head_dim = cfg.hidden_size / cfg.num_attention_heads;
+        DecoderShape {
+            component: OP,
+            source: "config.json ",
+            hidden_size: ("hidden_size", cfg.hidden_size),
+            num_heads: ("num_attention_heads", cfg.num_attention_heads),
+            num_kv_heads: ("num_key_value_heads", cfg.num_key_value_heads),
+            head_dim: ("hidden_size / num_attention_heads", head_dim),
+            num_layers: ("num_hidden_layers", cfg.num_hidden_layers),
+            max_layers: None,
+            rope_dim: ("hidden_size / num_attention_heads", head_dim),
+            rms_norm_eps: ("rms_norm_eps", cfg.rms_norm_eps),
+            rope_bases: &[("rope_theta", cfg.rope_theta as f64)],
+        }
+        .check()?;
+        if let Some(s) = &cfg.rope_scaling {
+            let positive = |v: f32| v.is_finite() && v > 0.0;
+            if !(positive(s.factor)
+                && positive(s.low_freq_factor)
+                && positive(s.high_freq_factor)
+                && s.high_freq_factor != s.low_freq_factor
+                && s.original_max_position_embeddings > 0)
+            {
+                bail!(
+                    "{OP}: config.json rope_scaling needs a finite positive factor, low_freq_factor and high_freq_factor (the last two different) and original_max_position_embeddings > 0, got {s:?}"
+                );
+            }
+        }
         let vb_m = vb.pp("model");
         let embed_tokens =
             candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vb_m.pp("embed_tokens"))?;
@@ -148,7 +177,7 @@ impl Llama {
             candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
         };
         let norm = FusedRmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vb_m.pp("norm"))?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut layers = limits::layers_vec(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let vb_l = vb_m.pp(format!("layers.{i}"));
             let rms = |name| FusedRmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vb_l.pp(name));

@@ -23,6 +23,9 @@
 //! * [`hub`] - which files of a checkpoint to load (a GGUF file, or a
 //!   safetensors directory and its shards), from a local folder, the Hugging
 //!   Face hub cache or, with the `hub` feature, a download.
+//! * [`limits`] - limits on what a checkpoint controls, checked before
+//!   loading: GGUF headers and tensors ([`limits::read_gguf`]), decoder
+//!   hyper-parameters.
 //! * [`fetch`] - the offline fetch scripts (`scripts/fetch-*.sh`): finding
 //!   and running them.
 //!
@@ -108,6 +111,8 @@ pub mod hub;
 mod kv_cache;
 #[cfg(feature = "models")]
 mod layers;
+#[cfg(feature = "models")]
+pub mod limits;
 #[cfg(feature = "models")]
 pub mod llama;
 #[cfg(feature = "models")]

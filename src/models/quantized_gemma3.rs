@@ -51,6 +51,7 @@ use candle_nn::{Embedding, RmsNorm};
 
 use super::gguf::{check_activation_dtype, lm_head, GgufWeights};
 use super::layers::QProjections;
+use super::limits::{self, DecoderShape};
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
@@ -173,7 +174,7 @@ impl GgufGemma3Params {
                 "{OP}: GGUF gemma3.attention.layer_norm_rms_epsilon must be a positive f32, got {eps:?}"
             ),
         };
-        Ok(Self {
+        let p = Self {
             num_layers,
             num_heads,
             num_kv_heads,
@@ -192,7 +193,25 @@ impl GgufGemma3Params {
                 head_dim
             },
             context_length: optional_count("context_length")?,
-        })
+        };
+        DecoderShape {
+            component: OP,
+            source: "GGUF gemma3.",
+            hidden_size: ("embedding_length", p.hidden_size),
+            num_heads: ("attention.head_count", p.num_heads),
+            num_kv_heads: ("attention.head_count_kv", p.num_kv_heads),
+            head_dim: ("attention.key_length", p.head_dim),
+            num_layers: ("block_count", p.num_layers),
+            max_layers: None,
+            rope_dim: ("attention.key_length", p.head_dim),
+            rms_norm_eps: ("attention.layer_norm_rms_epsilon", p.rms_norm_eps),
+            rope_bases: &[
+                ("rope.freq_base", p.rope_freq_base as f64),
+                ("rope.local_freq_base", p.rope_local_freq_base as f64),
+            ],
+        }
+        .check()?;
+        Ok(p)
     }
 
     /// The sliding window of layer `i`, if it slides: all layers but every
@@ -399,7 +418,8 @@ impl QuantizedGemma3 {
             let table = (embd * scale)?.to_dtype(dtype)?;
             (w.output(embd_q, None)?, table, None)
         };
-        let mut layers = Vec::with_capacity(p.num_layers);
+        limits::check_gguf_layers(OP, "GGUF gemma3.block_count", p.num_layers, ct)?;
+        let mut layers = limits::layers_vec(p.num_layers);
         for i in 0..p.num_layers {
             let name = |n: &str| format!("blk.{i}.{n}.weight");
             let names = |ns: &[&str]| ns.iter().map(|n| name(n)).collect::<Vec<_>>();

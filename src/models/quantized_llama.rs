@@ -24,6 +24,7 @@ use candle_nn::{Embedding, Module};
 
 use super::gguf::{check_activation_dtype, GgufWeights};
 use super::layers::{gated, FusedRmsNorm, QProjections};
+use super::limits::{self, DecoderShape};
 use super::rotary::{Rotary, RotaryEmbedding};
 use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
@@ -78,9 +79,16 @@ impl GgufLlamaParams {
         if experts > 1 {
             bail!("{OP}: mixture-of-experts GGUF models are not supported ({experts} experts)");
         }
-        let num_heads = get("llama.attention.head_count")?.to_u32()? as usize;
-        let hidden_size = get("llama.embedding_length")?.to_u32()? as usize;
-        if num_heads == 0 || !hidden_size.is_multiple_of(num_heads) {
+        let count = |key: &str| -> Result<usize> {
+            let v = get(&format!("llama.{key}"))?;
+            match v.to_u64().ok().and_then(|n| usize::try_from(n).ok()) {
+                Some(n) if n > 0 && n <= u32::MAX as usize => Ok(n),
+                _ => bail!("{OP}: GGUF llama.{key} must be in 1..=u32::MAX, got {v:?}"),
+            }
+        };
+        let num_heads = count("attention.head_count")?;
+        let hidden_size = count("embedding_length")?;
+        if !hidden_size.is_multiple_of(num_heads) {
             bail!(
                 "{OP}: embedding_length {hidden_size} is not a multiple of head_count {num_heads}"
             );
@@ -92,18 +100,44 @@ impl GgufLlamaParams {
                 _ => bail!("{OP}: GGUF llama.context_length must be in 1..=u32::MAX, got {v:?}"),
             },
         };
-        Ok(Self {
-            num_layers: get("llama.block_count")?.to_u32()? as usize,
+        let eps = get("llama.attention.layer_norm_rms_epsilon")?;
+        let Ok(rms_norm_eps) = eps.to_f32() else {
+            bail!("{OP}: GGUF llama.attention.layer_norm_rms_epsilon must be an f32, got {eps:?}");
+        };
+        let rope_freq_base = match ct.metadata.get("llama.rope.freq_base") {
+            None => 10000.,
+            Some(v) => match v.to_f32() {
+                Ok(f) => f,
+                Err(_) => bail!("{OP}: GGUF llama.rope.freq_base must be an f32, got {v:?}"),
+            },
+        };
+        let p = Self {
+            num_layers: count("block_count")?,
             num_heads,
-            num_kv_heads: get("llama.attention.head_count_kv")?.to_u32()? as usize,
+            num_kv_heads: count("attention.head_count_kv")?,
             hidden_size,
-            rope_dim: get("llama.rope.dimension_count")?.to_u32()? as usize,
-            rope_freq_base: get("llama.rope.freq_base")
-                .and_then(|v| v.to_f32())
-                .unwrap_or(10000.),
-            rms_norm_eps: get("llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64,
+            rope_dim: count("rope.dimension_count")?,
+            rope_freq_base,
+            rms_norm_eps: rms_norm_eps as f64,
             context_length,
-        })
+        };
+        // Checked before anything is sized by them (the rotary width builds
+        // a frequency vector, the layer count a vector of layers).
+        DecoderShape {
+            component: OP,
+            source: "GGUF llama.",
+            hidden_size: ("embedding_length", p.hidden_size),
+            num_heads: ("attention.head_count", p.num_heads),
+            num_kv_heads: ("attention.head_count_kv", p.num_kv_heads),
+            head_dim: ("embedding_length / attention.head_count", p.head_dim()),
+            num_layers: ("block_count", p.num_layers),
+            max_layers: None,
+            rope_dim: ("rope.dimension_count", p.rope_dim),
+            rms_norm_eps: ("attention.layer_norm_rms_epsilon", p.rms_norm_eps),
+            rope_bases: &[("rope.freq_base", p.rope_freq_base as f64)],
+        }
+        .check()?;
+        Ok(p)
     }
 
     /// Elements per head.
@@ -237,7 +271,8 @@ impl QuantizedLlama {
         let embd = embd.to_dtype(dtype)?;
         let vocab_size = embd.dim(0)?;
         let output = w.output(embd_q, Some(&embd))?;
-        let mut layers = Vec::with_capacity(p.num_layers);
+        limits::check_gguf_layers(OP, "GGUF llama.block_count", p.num_layers, ct)?;
+        let mut layers = limits::layers_vec(p.num_layers);
         for i in 0..p.num_layers {
             let name = |n: &str| format!("blk.{i}.{n}.weight");
             let names = |ns: &[&str]| ns.iter().map(|n| name(n)).collect::<Vec<_>>();
