@@ -207,7 +207,7 @@ impl PagedModel for MockModel {
         let kv = Tensor::from_vec(kv, (n, HEAD), &self.device)?;
         let q = Tensor::zeros((n, HEAD), DType::F32, &self.device)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let out = layer.forward(&q, &kv, &kv, cache.layer(i), metadata)?;
+            let out = layer.forward(&q, &kv, &kv, cache.layer(i)?, metadata)?;
             if out.dims() != [n, HEAD] {
                 bail!("mock: attention output {:?}", out.dims());
             }
@@ -218,10 +218,10 @@ impl PagedModel for MockModel {
         let host = metadata.batch().host();
         let width = host.block_table_width();
         let bs = host.block_size();
-        let full: Vec<f32> = cache.layer(0).value().flatten_all()?.to_vec1()?;
+        let full: Vec<f32> = cache.layer(0)?.value().flatten_all()?.to_vec1()?;
         let windowed = match (self.window, self.layers.len()) {
             (Some(w), 2) => {
-                let values: Vec<f32> = cache.layer(1).value().flatten_all()?.to_vec1()?;
+                let values: Vec<f32> = cache.layer(1)?.value().flatten_all()?.to_vec1()?;
                 let tables = match metadata.window_groups().first() {
                     Some(g) => g.batch().host().block_tables().to_vec(),
                     None => host.block_tables().to_vec(),
