@@ -338,6 +338,23 @@ impl Attention {
                 qkv.dims()
             );
         }
+        for (name, t) in [("cos", rows.cos), ("sin", rows.sin)] {
+            if t.dims() != [n, d / 2] {
+                bail!(
+                    "{OP}: rotary {name} must be (num_tokens = {n}, head_size / 2 = {}), got shape {:?}: {} rows for {n} tokens",
+                    d / 2,
+                    t.dims(),
+                    t.dims().first().copied().unwrap_or(0)
+                );
+            }
+        }
+        if rows.sin.dtype() != rows.cos.dtype() {
+            bail!(
+                "{OP}: rotary sin is {:?} but cos is {:?}; they must match",
+                rows.sin.dtype(),
+                rows.cos.dtype()
+            );
+        }
         if !qkv.device().is_cuda() || cache.is_empty() {
             let qkv = qkv.to_dtype(rows.cos.dtype())?;
             let q = rotate(&qkv.narrow(1, 0, h * d)?, rows, h)?;

@@ -122,13 +122,11 @@ impl BatchHost {
         *self.cu_seqlens_q.last().unwrap_or(&0) as usize
     }
 
-    /// New query tokens of sequence `i`.
-    ///
-    /// # Panics
-    /// When `i >= num_seqs()`, as slice indexing does.
-    pub fn q_len(&self, i: usize) -> usize {
+    /// New query tokens of sequence `i`, or `None` when `i >= num_seqs()`.
+    pub fn q_len(&self, i: usize) -> Option<usize> {
+        let end = *self.cu_seqlens_q.get(i.checked_add(1)?)?;
         // Validation made cu_seqlens_q non-decreasing, so this cannot underflow.
-        (self.cu_seqlens_q[i + 1] - self.cu_seqlens_q[i]) as usize
+        Some((end - self.cu_seqlens_q[i]) as usize)
     }
 
     /// Block table row of sequence `i` (`block_table_width` entries).

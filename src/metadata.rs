@@ -111,7 +111,7 @@ impl AttentionMetadata {
         let mut positions = Vec::with_capacity(host.num_tokens());
         let (mut num_prefills, mut num_prefill_tokens, mut num_decodes) = (0, 0, 0);
         for i in 0..host.num_seqs() {
-            let q_len = host.q_len(i);
+            let q_len = host.q_len(i).unwrap_or(0);
             let context = host.seq_lens()[i] as usize - q_len;
             positions.extend((context..context + q_len).map(|p| p as u32));
             if q_len == 1 && context > 0 {
@@ -523,7 +523,7 @@ fn local_prefix_ranges(
     }
     let mut out = vec![Vec::new(); local.num_seqs()];
     for (i, ranges) in host.prefix_ranges().iter().enumerate() {
-        let context = host.seq_lens()[i] as usize - host.q_len(i);
+        let context = host.seq_lens()[i] as usize - host.q_len(i).unwrap_or(0);
         for r in ranges {
             let (start, end) = (r.start as usize, r.end as usize);
             if start >= end || end <= context {
@@ -563,7 +563,7 @@ fn local_prefix_ranges(
 fn check_ranges_in_window(window: usize, host: &BatchHost) -> Result<()> {
     let bs = host.block_size();
     for (i, ranges) in host.prefix_ranges().iter().enumerate() {
-        let context = host.seq_lens()[i] as usize - host.q_len(i);
+        let context = host.seq_lens()[i] as usize - host.q_len(i).unwrap_or(0);
         let first_kept = blocks_out_of_window(context, window, bs) * bs;
         for r in ranges {
             let (start, end) = (r.start as usize, r.end as usize);
@@ -596,7 +596,7 @@ fn check_slots(name: &str, slots: &SlotMapping, batch: &PagedBatch) -> Result<()
     let slots = slots.host();
     for i in 0..host.num_seqs() {
         let first = host.cu_seqlens_q()[i] as usize;
-        let q_len = host.q_len(i);
+        let q_len = host.q_len(i).unwrap_or(0);
         let context = host.seq_lens()[i] as usize - q_len;
         let table = host.block_table(i);
         for j in 0..q_len {

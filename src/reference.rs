@@ -266,7 +266,7 @@ impl<'a> HostCall<'a> {
     fn attend_sequence(&self, seq: usize, out: &mut ReferenceOutput) {
         let host = self.params.batch.host();
         let first_row = host.cu_seqlens_q()[seq] as usize;
-        let q_len = host.q_len(seq);
+        let q_len = host.q_len(seq).unwrap_or(0);
         let seq_len = host.seq_lens()[seq] as usize;
         let ranges = host.prefix_ranges().get(seq).map_or(&[][..], Vec::as_slice);
         let vis = visibility(q_len, seq_len, self.params.sliding_window, ranges);

@@ -68,9 +68,11 @@ impl LocalBatches {
 /// virtual sequence whose keys start at its chunk's first token).
 ///
 /// # Arguments
-/// * `cu_seqlens_q` - `num_seqs + 1` row offsets of the original batch.
+/// * `cu_seqlens_q` - `num_seqs + 1` row offsets of the original batch,
+///   starting at 0.
 /// * `seq_lens` - `num_seqs` key counts (context + new tokens).
-/// * `block_tables` - row-major `num_seqs x width` block ids.
+/// * `block_tables` - row-major `num_seqs x width` block ids; `width` is at
+///   least `ceil(seq_len / block_size)` for every sequence.
 /// * `width` - columns of `block_tables`.
 /// * `block_size` - tokens per cache block; must divide `chunk`.
 /// * `chunk` - the attention chunk size, at least 1.
@@ -102,6 +104,12 @@ pub fn chunked_local_batches(
             cu_seqlens_q.len()
         );
     }
+    if cu_seqlens_q[0] != 0 {
+        bail!(
+            "{OP}: cu_seqlens_q must start at 0, got {} (row offsets into the flat query)",
+            cu_seqlens_q[0]
+        );
+    }
     if block_tables.len() != num_seqs * width {
         bail!(
             "{OP}: block_tables holds {} ids but {num_seqs} sequences x width {width} need {}",
@@ -124,6 +132,12 @@ pub fn chunked_local_batches(
         let seq_len = seq_lens[i] as usize;
         if end < start || end - start > seq_len {
             bail!("{OP}: sequence {i} has rows {start}..{end} but seq_len {seq_len}");
+        }
+        let pages = seq_len.div_ceil(block_size);
+        if pages > width {
+            bail!(
+                "{OP}: sequence {i} has seq_len {seq_len}, which needs {pages} blocks of {block_size} tokens, but block_tables has width {width}"
+            );
         }
         let row = &block_tables[i * width..(i + 1) * width];
         let context = seq_len - (end - start);
@@ -457,6 +471,23 @@ mod tests {
             "{err}"
         );
         assert!(chunked_local_batches(&[0], &[5], &[], 0, 2, 4).is_err());
+        let err = chunked_local_batches(&[2, 3], &[5], &[0, 1, 2], 3, 2, 4).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("chunked-local-remap: cu_seqlens_q must start at 0, got 2"),
+            "{err}"
+        );
+        // 5 keys in blocks of 2 need 3 columns; the table has 2.
+        let err = chunked_local_batches(&[0, 1], &[5], &[0, 1], 2, 2, 4).unwrap_err();
+        assert!(
+            err.to_string().starts_with(
+                "chunked-local-remap: sequence 0 has seq_len 5, which needs 3 blocks of 2 tokens, but block_tables has width 2"
+            ),
+            "{err}"
+        );
+        // Exactly wide enough is fine, and so is a row wider than needed.
+        assert!(chunked_local_batches(&[0, 1], &[5], &[0, 1, 2], 3, 2, 4).is_ok());
+        assert!(chunked_local_batches(&[0, 1, 2], &[4, 1], &[0, 1, 2, 3], 2, 2, 4).is_ok());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_paged_attention::{
     Attention, AttentionMetadata, AttentionOptions, BlockManager, BlockManagerConfig, KvCacheDtype,
-    KvScales, LayerKvCache, PagedBatch, SlotMapping, Work,
+    KvScales, LayerKvCache, PagedBatch, RotaryRows, SlotMapping, Work,
 };
 
 /// Splitmix64: deterministic values from a seed.
@@ -772,6 +772,32 @@ fn malformed_inputs_are_errors(dev: &Device) -> Result<()> {
         attn.forward(&q, &k, &v, &empty, &b.metadata),
         "the layer cache has no blocks",
     )?;
+    // Rotary rows of another token count than the batch's.
+    let qkv = Tensor::zeros((6, 32), DType::F32, dev)?;
+    let (cos, cos5, sin7) = (
+        Tensor::zeros((6, 4), DType::F32, dev)?,
+        Tensor::zeros((5, 4), DType::F32, dev)?,
+        Tensor::zeros((7, 4), DType::F32, dev)?,
+    );
+    let rows = |cos, sin| RotaryRows {
+        cos,
+        sin,
+        interleaved: false,
+    };
+    expect(
+        attn.forward_rotary_qkv(&qkv, rows(&cos5, &cos5), &cache, &b.metadata),
+        "attention: rotary cos must be (num_tokens = 6, head_size / 2 = 4), got shape [5, 4]: 5 rows for 6 tokens",
+    )?;
+    expect(
+        attn.forward_rotary_qkv(&qkv, rows(&cos, &sin7), &cache, &b.metadata),
+        "attention: rotary sin must be (num_tokens = 6, head_size / 2 = 4), got shape [7, 4]: 7 rows for 6 tokens",
+    )?;
+    let sin16 = cos.to_dtype(DType::F16)?;
+    expect(
+        attn.forward_rotary_qkv(&qkv, rows(&cos, &sin16), &cache, &b.metadata),
+        "attention: rotary sin is F16 but cos is F32",
+    )?;
+    attn.forward_rotary_qkv(&qkv, rows(&cos, &cos), &cache, &b.metadata)?;
     // Hand-built metadata with a block id past the cache.
     let batch = PagedBatch::from_rows(&[0, 6], &[6], &[vec![0, 9]], 4, dev)?;
     let meta = AttentionMetadata::new(batch, SlotMapping::new(&[0, 1, 2, 3, -1, -1], dev)?)?;

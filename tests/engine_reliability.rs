@@ -1,7 +1,8 @@
 //! The engine's failure isolation, one test per defect: requests that can
 //! never run are refused by `add_request`, a failed step is rolled back
 //! exactly and retried, a sequence that outgrows the cache alone ends with
-//! its tokens, `abort`, and the context length taken from the checkpoint.
+//! its tokens, `abort`, the context length taken from the checkpoint, and
+//! non-finite logits ending only their own request.
 //!
 //! Most tests run a mock model (`engine_mock`) whose next token is an exact
 //! function of its KV cache, so the expected tokens are known exactly.
@@ -18,7 +19,7 @@ use candle_paged_attention::models::generation::{
 };
 use candle_paged_attention::models::{quantized_llama, PagedModel, PagedOptions};
 use candle_paged_attention::{AttentionMetadata, PagedBatch, SlotMapping};
-use engine_mock::{oracle_next, Fail, MockModel, INJECTED};
+use engine_mock::{oracle_next, Fail, MockModel, Poison, INJECTED};
 
 const VOCAB: usize = 32;
 
@@ -313,6 +314,137 @@ fn a_lone_prompt_chunk_too_large_for_the_window_pool_is_split() -> Result<()> {
     ensure!(done.len() == 1 && done[0].finish == FinishReason::Length);
     ensure!(done[0].tokens == expected(&prompt, 5, Some(4)));
     ensure!(engine.block_manager().num_free_window_blocks(0) == Some(3));
+    Ok(())
+}
+
+/// How a request of the non-finite logits test picks its tokens.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    /// Device argmax.
+    Greedy,
+    /// Greedy with a repeat penalty: the host sampler's argmax.
+    Penalised,
+    /// Temperature with top-k 1 (the argmax, through the sampling path).
+    Sampled,
+}
+
+fn params(mode: Mode, max_tokens: usize) -> SamplingParams {
+    let greedy = SamplingParams::greedy(max_tokens);
+    match mode {
+        Mode::Greedy => greedy,
+        // The mock's logits are one-hot (1 and 0s): a penalty of 2 keeps
+        // the peak, so the expected tokens are the oracle's.
+        Mode::Penalised => SamplingParams {
+            repeat_penalty: 2.0,
+            repeat_last_n: 8,
+            ..greedy
+        },
+        Mode::Sampled => SamplingParams {
+            temperature: 0.8,
+            top_k: Some(1),
+            ..greedy
+        },
+    }
+}
+
+#[test]
+fn non_finite_logits_end_their_request_with_an_error_and_the_others_finish() -> Result<()> {
+    // Request 2 (first token 7) gets non-finite logits from position 4 on:
+    // its rows at positions 2 and 3 give two tokens, the third fails.
+    let poisoned: Vec<u32> = vec![7, 1, 2];
+    let others: [(u64, Vec<u32>); 3] = [(0, vec![1, 2, 3]), (1, vec![4, 5]), (3, vec![9, 9, 9, 9])];
+    let poisons = [
+        (f32::NAN, true),
+        (f32::NAN, false),
+        (f32::INFINITY, false),
+        (f32::NEG_INFINITY, true),
+    ];
+    let modes = [Mode::Greedy, Mode::Penalised, Mode::Sampled];
+    for (value, whole_row) in poisons {
+        for mode in modes {
+            // All requests greedy (the device argmax of every row), or the
+            // others in the three modes (the greedy rows gathered).
+            for mixed in [false, true] {
+                let case = format!("{value} whole_row={whole_row} {mode:?} mixed={mixed}");
+                let model = MockModel::new(4, None, VOCAB, 64)?;
+                model.poison(Poison {
+                    first_token: 7,
+                    from_position: 4,
+                    value,
+                    whole_row,
+                });
+                let mut engine = Engine::new(&model, model.cache(16, None, false)?, config(16, 4))?;
+                engine.add_request(Request {
+                    id: 2,
+                    prompt: poisoned.clone(),
+                    params: params(mode, 5),
+                })?;
+                for (n, (id, prompt)) in others.iter().enumerate() {
+                    let mode = if mixed { modes[n] } else { Mode::Greedy };
+                    engine.add_request(Request {
+                        id: *id,
+                        prompt: prompt.clone(),
+                        params: params(mode, 5),
+                    })?;
+                }
+                let done = by_id(engine.run(|_| {})?);
+                ensure!(done.len() == 4, "{case}: {} completions", done.len());
+                for c in &done {
+                    if c.id == 2 {
+                        let msg = c.error().unwrap_or("no error");
+                        ensure!(
+                            msg.starts_with("engine: request 2: ")
+                                && msg.contains("non-finite logits"),
+                            "{case}: {msg}"
+                        );
+                        ensure!(
+                            c.tokens == expected(&poisoned, 2, None),
+                            "{case}: {:?}",
+                            c.tokens
+                        );
+                    } else {
+                        let prompt = &others.iter().find(|(id, _)| *id == c.id).unwrap().1;
+                        ensure!(c.finish == FinishReason::Length, "{case}: {:?}", c.finish);
+                        ensure!(
+                            c.tokens == expected(prompt, 5, None),
+                            "{case}: request {}: {:?}",
+                            c.id,
+                            c.tokens
+                        );
+                    }
+                }
+                ensure!(engine.block_manager().num_free_blocks() == 16, "{case}");
+            }
+        }
+    }
+    // The greedy and the host messages, in full.
+    let model = MockModel::new(4, None, VOCAB, 64)?;
+    model.poison(Poison {
+        first_token: 7,
+        from_position: 0,
+        value: f32::NAN,
+        whole_row: true,
+    });
+    let mut engine = Engine::new(&model, model.cache(16, None, false)?, config(16, 4))?;
+    for (id, mode) in [(5, Mode::Greedy), (6, Mode::Penalised)] {
+        engine.add_request(Request {
+            id,
+            prompt: poisoned.clone(),
+            params: params(mode, 3),
+        })?;
+    }
+    let done = by_id(engine.run(|_| {})?);
+    ensure!(done.iter().all(|c| c.tokens.is_empty()));
+    let msgs: Vec<&str> = done
+        .iter()
+        .map(|c| c.error().unwrap_or("no error"))
+        .collect();
+    ensure!(
+        msgs[0] == "engine: request 5: the model gave non-finite logits (NaN or infinity) for its next token; greedy decoding cannot pick one"
+            && msgs[1].starts_with("engine: request 6: sampling its next token failed: sampling: non-finite logits: token 0 of 32 has logit NaN"),
+        "{msgs:?}"
+    );
+    ensure!(engine.block_manager().num_free_blocks() == 16);
     Ok(())
 }
 

@@ -211,6 +211,37 @@ fn nan_propagates_and_stays_in_its_row() -> Result<()> {
 }
 
 #[test]
+fn zero_size_inputs_give_empty_outputs() -> Result<()> {
+    for dev in devices()? {
+        for dtype in [DType::F32, DType::BF16] {
+            // (rows, 0): no gate or up columns.
+            let gu = Tensor::zeros((3, 0), dtype, &dev)?;
+            let g = gated_activation(&gu, GatedActivation::Silu, dtype)?;
+            assert_eq!((g.dims(), g.dtype()), (&[3, 0][..], dtype), "{dev:?}");
+            // (0, 2 * inter): no rows.
+            let gu = Tensor::zeros((0, 8), DType::F32, &dev)?;
+            let g = gated_activation(&gu, GatedActivation::GeluTanh, dtype)?;
+            assert_eq!((g.dims(), g.dtype()), (&[0, 4][..], dtype), "{dev:?}");
+            let x = Tensor::zeros((0, 8), dtype, &dev)?;
+            let w = Tensor::ones(8, dtype, &dev)?;
+            let y = rms_norm(&x, &w, 1e-5, 0.)?;
+            assert_eq!((y.dims(), y.dtype()), (&[0, 8][..], dtype), "{dev:?}");
+            let (sum, n) = add_rms_norm(&x, &x, &w, 1e-5, 1.)?;
+            assert_eq!(
+                (sum.dims(), n.dims()),
+                (&[0, 8][..], &[0, 8][..]),
+                "{dev:?}"
+            );
+            // An empty x still checks its weight.
+            let w7 = Tensor::ones(7, dtype, &dev)?;
+            let err = rms_norm(&x, &w7, 1e-5, 0.).unwrap_err().to_string();
+            assert!(err.starts_with("rms-norm: weight must be (8,)"), "{err}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn bad_arguments_are_errors_naming_the_op() -> Result<()> {
     let dev = Device::Cpu;
     let x = Tensor::zeros((2, 8), DType::F32, &dev)?;

@@ -205,6 +205,44 @@ fn matches_reference(
 }
 
 #[test]
+fn zero_tokens_store_nothing_and_return_no_rows() -> Result<()> {
+    for dev in devices()? {
+        for dtype in [DType::F32, DType::BF16] {
+            let kc = Tensor::full(f32::NAN, (2, 4, 1, 8), &dev)?.to_dtype(dtype)?;
+            let vc = Tensor::full(f32::NAN, (2, 4, 1, 8), &dev)?.to_dtype(dtype)?;
+            let cos = Tensor::zeros((0, 4), dtype, &dev)?;
+            let rows = RotaryRows {
+                cos: &cos,
+                sin: &cos,
+                interleaved: false,
+            };
+            let qkv = Tensor::zeros((0, 32), DType::F32, &dev)?;
+            let mapping = SlotMapping::new(&[], &dev)?;
+            let q =
+                rotary_reshape_and_cache(&qkv, rows, 2, &kc, &vc, &mapping, KvScales::default())?;
+            assert_eq!((q.dims(), q.dtype()), (&[0, 16][..], dtype), "{dev:?}");
+            for c in [&kc, &vc] {
+                assert!(
+                    values(c)?.iter().all(|v| v.is_nan()),
+                    "{dev:?}: a cache row was written"
+                );
+            }
+            // The checks still run: a wrong width is an error.
+            let wide = Tensor::zeros((0, 33), DType::F32, &dev)?;
+            let err =
+                rotary_reshape_and_cache(&wide, rows, 2, &kc, &vc, &mapping, KvScales::default())
+                    .unwrap_err()
+                    .to_string();
+            assert!(
+                err.starts_with("rotary-reshape-and-cache: qkv has 33 columns"),
+                "{err}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn bad_arguments_are_errors_naming_the_op() -> Result<()> {
     let dev = Device::Cpu;
     let kc = Tensor::zeros((2, 4, 1, 8), DType::F32, &dev)?;

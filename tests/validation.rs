@@ -690,3 +690,17 @@ device_test! {
         Ok(call.run(dev)?)
     }
 }
+
+/// `q_len` of a sequence index past the batch is `None`, not a panic.
+#[test]
+fn q_len_out_of_range_is_none() -> Result<()> {
+    let batch = PagedBatch::from_rows(&[0, 2, 5], &[2, 4], &[vec![0], vec![1]], 4, &Device::Cpu)?;
+    let host = batch.host();
+    ensure!(host.q_len(0) == Some(2) && host.q_len(1) == Some(3));
+    for i in [2, 3, usize::MAX] {
+        ensure!(host.q_len(i).is_none(), "q_len({i}) = {:?}", host.q_len(i));
+    }
+    let empty = PagedBatch::from_rows(&[0], &[], &[], 4, &Device::Cpu)?;
+    ensure!(empty.host().q_len(0).is_none());
+    Ok(())
+}

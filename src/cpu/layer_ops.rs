@@ -126,7 +126,12 @@ fn gated_typed<I: Elem + WithDType, O: Elem + WithDType>(
     inter: usize,
 ) -> Result<CpuStorage> {
     let src = slice::<I>(op, "gate_up", gu.0, gu.1)?;
-    let rows = src.len() / (2 * inter).max(1);
+    if inter == 0 {
+        // `(rows, 0)` out of `(rows, 0)` in: empty, and a zero chunk size
+        // would not split it.
+        return Ok(O::to_cpu_storage_owned(Vec::new()));
+    }
+    let rows = src.len() / (2 * inter);
     let mut out = vec![O::from_f32(0.); rows * inter];
     out.par_chunks_mut(inter * ROWS_PER_TASK)
         .zip(src.par_chunks(2 * inter * ROWS_PER_TASK))

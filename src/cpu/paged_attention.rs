@@ -181,7 +181,7 @@ fn store<O: Elem + WithDType>(
 fn work_items(host: &BatchHost, num_kv_heads: usize) -> Vec<WorkItem> {
     let mut items = Vec::new();
     for seq in 0..host.num_seqs() {
-        let q_len = host.q_len(seq);
+        let q_len = host.q_len(seq).unwrap_or(0);
         for row_start in (0..q_len).step_by(ROWS_PER_ITEM) {
             let row_end = (row_start + ROWS_PER_ITEM).min(q_len);
             for kv_head in 0..num_kv_heads {
@@ -225,7 +225,7 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
     let kv_row = p.dims.num_kv_heads * d;
     let block_size = p.dims.block_size;
     let seq_len = host.seq_lens()[item.seq] as usize;
-    let q_len = host.q_len(item.seq);
+    let q_len = host.q_len(item.seq).unwrap_or(0);
     let context_len = seq_len - q_len;
     let first_token = host.cu_seqlens_q()[item.seq] as usize + item.row_start;
     let rows = item.row_end - item.row_start;

@@ -187,8 +187,8 @@ pub(super) fn plan(
         None if narrow == wide || host.max_seqlen_q() <= fits => false,
         None => {
             let prefill_programs: usize = (0..n)
-                .filter(|&i| host.q_len(i) > fits)
-                .map(|i| host.q_len(i).div_ceil(128 / group.min(128)))
+                .filter(|&i| host.q_len(i).unwrap_or(0) > fits)
+                .map(|i| host.q_len(i).unwrap_or(0).div_ceil(128 / group.min(128)))
                 .sum::<usize>()
                 * dims.num_kv_heads
                 * group.div_ceil(128);
@@ -202,7 +202,7 @@ pub(super) fn plan(
         host.max_seqlen_q().max(1)
     } else {
         (0..n)
-            .map(|i| host.q_len(i))
+            .map(|i| host.q_len(i).unwrap_or(0))
             .filter(|&q| q <= fits)
             .max()
             .unwrap_or(1)
@@ -214,7 +214,7 @@ pub(super) fn plan(
         };
     let parts = if host.max_seqlen_q() <= fits {
         [Some(decode_part(all)), None]
-    } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i))) {
+    } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i).unwrap_or(0))) {
         [
             Some(decode_part((1, fits))),
             Some(part(Kind::Prefill, prefill, dims, n, (fits + 1, all.1))),
@@ -234,7 +234,7 @@ pub(super) fn plan(
     let decode_count = match parts {
         [_, None] => n,
         _ => (0..n)
-            .filter(|&i| (1..=fits).contains(&host.q_len(i)))
+            .filter(|&i| (1..=fits).contains(&host.q_len(i).unwrap_or(0)))
             .count(),
     };
     if let Some(p) = parts[0].as_mut().filter(|p| p.kind == Kind::Stream) {
@@ -296,7 +296,7 @@ pub(super) fn plan(
             // partials are indexed by (sequence, row) so the workspace does
             // not grow with the prefill tokens.
             let decode_seqs: Vec<usize> = (0..n)
-                .filter(|&i| (1..=fits).contains(&host.q_len(i)))
+                .filter(|&i| (1..=fits).contains(&host.q_len(i).unwrap_or(0)))
                 .collect();
             let max_keys = decode_seqs
                 .iter()

@@ -387,7 +387,7 @@ impl PagedModel for Gemma2 {
         let rotary = self.rotary.at(metadata)?;
         let mut x = self.trunk.embed(input_ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, &rotary, cache.layer(i), metadata)?;
+            x = layer.forward(&x, &rotary, cache.layer(i)?, metadata)?;
         }
         self.trunk.logits(OP, &x, rows)
     }

@@ -217,7 +217,7 @@ impl PagedModel for Gemma3 {
         for (i, layer) in self.layers.iter().enumerate() {
             let sliding = layer.self_attn.attn.options().sliding_window.is_some();
             let rotary = if sliding { &local } else { &global };
-            x = layer.forward(&x, rotary, cache.layer(i), metadata)?;
+            x = layer.forward(&x, rotary, cache.layer(i)?, metadata)?;
         }
         self.trunk.logits(OP, &x, rows)
     }

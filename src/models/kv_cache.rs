@@ -118,13 +118,17 @@ impl PagedKvCache {
         BlockManager::new(cfg)
     }
 
-    /// The cache of layer `i`.
-    ///
-    /// # Panics
-    /// When `i >= num_layers()`, as slice indexing does; see
-    /// [`get_layer`](Self::get_layer).
-    pub fn layer(&self, i: usize) -> &LayerKvCache {
-        &self.layers[i]
+    /// The cache of layer `i`; an error naming `i` and the layer count when
+    /// `i >= num_layers()` (see [`get_layer`](Self::get_layer) for an
+    /// `Option`).
+    pub fn layer(&self, i: usize) -> Result<&LayerKvCache> {
+        match self.layers.get(i) {
+            Some(layer) => Ok(layer),
+            None => bail!(
+                "{OP}: layer {i} does not exist; the cache has {} layers",
+                self.layers.len()
+            ),
+        }
     }
 
     /// The cache of layer `i`, or `None` when `i >= num_layers()`.
@@ -636,6 +640,27 @@ mod tests {
         )?;
         assert_eq!(Some(cache.memory_bytes()), grouped.total_bytes(3));
         assert!(CacheFootprint::new(&[], DType::F32, None).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_layer_index_out_of_range_is_an_error() -> Result<()> {
+        let (full, window) = (layer(2, None, false), layer(2, Some(32), false));
+        let cache = PagedKvCache::new(
+            &[&full, &window],
+            CacheConfig::new(2),
+            DType::F32,
+            &Device::Cpu,
+        )?;
+        assert_eq!(cache.layer(1)?.num_blocks(), 2);
+        assert!(cache.get_layer(2).is_none());
+        for i in [2, usize::MAX] {
+            let err = cache.layer(i).map(|_| ()).map_err(msg).unwrap_err();
+            assert_eq!(
+                err,
+                format!("paged-kv-cache: layer {i} does not exist; the cache has 2 layers")
+            );
+        }
         Ok(())
     }
 

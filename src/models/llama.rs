@@ -255,7 +255,7 @@ impl PagedModel for Llama {
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer
                 .self_attn
-                .forward(&normed, &rotary, cache.layer(i), metadata)?;
+                .forward(&normed, &rotary, cache.layer(i)?, metadata)?;
             (x, normed) = layer.post_attention_layernorm.add_forward(&x, &h)?;
             let h = normed.apply(&layer.mlp)?;
             let next = self

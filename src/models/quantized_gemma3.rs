@@ -520,7 +520,7 @@ impl PagedModel for QuantizedGemma3 {
         for (i, layer) in self.layers.iter().enumerate() {
             let sliding = layer.attn.options().sliding_window.is_some();
             let rotary = if sliding { &local } else { &global };
-            x = layer.forward(&x, rotary, cache.layer(i), metadata)?;
+            x = layer.forward(&x, rotary, cache.layer(i)?, metadata)?;
         }
         lm_head(OP, &x, rows, &self.norm, &self.output)
     }

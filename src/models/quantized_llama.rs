@@ -368,7 +368,7 @@ impl PagedModel for QuantizedLlama {
         // per row, so selecting the rows after it changes nothing).
         let mut normed = first.attn_norm.forward(&x)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = layer.attention(&normed, &rotary, cache.layer(i), metadata)?;
+            let h = layer.attention(&normed, &rotary, cache.layer(i)?, metadata)?;
             (x, normed) = layer.ffn_norm.add_forward(&x, &h)?;
             let h = layer.mlp(&normed)?;
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.attn_norm);

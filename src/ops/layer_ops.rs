@@ -76,6 +76,14 @@ fn check_norm_args(op: &str, x: &Tensor, weight: &Tensor, eps: f32, offset: f32)
     if !x.device().same_device(weight.device()) {
         bail!("{op}: x and weight are on different devices");
     }
+    let cols = x.dims().last().copied().unwrap_or(0);
+    if weight.dims() != [cols] {
+        bail!(
+            "{op}: weight must be ({cols},) for x of shape {:?}, got {:?}",
+            x.dims(),
+            weight.dims()
+        );
+    }
     Ok(())
 }
 
@@ -162,6 +170,10 @@ impl candle_core::CustomOp3 for Norm {
 /// Returns x's shape and dtype.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {
     check_norm_args(NORM_OP, x, weight, eps, weight_offset)?;
+    if x.elem_count() == 0 {
+        // No rows: nothing to normalise (and no kernel to launch).
+        return Tensor::zeros(x.shape(), x.dtype(), x.device());
+    }
     let op = Norm {
         op: NORM_OP,
         eps,
@@ -207,6 +219,11 @@ pub fn add_rms_norm(
     }
     if !x.device().same_device(delta.device()) {
         bail!("{ADD_NORM_OP}: x and delta are on different devices");
+    }
+    if x.elem_count() == 0 {
+        // No rows: the sum and its norm are empty too.
+        let empty = Tensor::zeros(x.shape(), x.dtype(), x.device())?;
+        return Ok((empty.clone(), empty));
     }
     let op = Norm {
         op: ADD_NORM_OP,
@@ -280,7 +297,7 @@ pub fn gated_activation(
     act: GatedActivation,
     out_dtype: DType,
 ) -> Result<Tensor> {
-    let &[_, width] = gate_up.dims() else {
+    let &[rows, width] = gate_up.dims() else {
         bail!(
             "{GATED_OP}: gate_up must be (rows, 2 * inter), got {:?}",
             gate_up.dims()
@@ -300,6 +317,11 @@ pub fn gated_activation(
             "{GATED_OP}: a {:?} gate_up cannot give a {out_dtype:?} output (same dtype, or f32 to f16/bf16)",
             gate_up.dtype()
         );
+    }
+    if rows == 0 || width == 0 {
+        // `(rows, 0)` or `(0, 2 * inter)`: the output `(rows, inter)` is
+        // empty, and there is no kernel to launch.
+        return Tensor::zeros((rows, width / 2), out_dtype, gate_up.device());
     }
     gate_up.contiguous()?.apply_op1_no_bwd(&Gated {
         act,

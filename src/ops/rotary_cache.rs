@@ -152,8 +152,8 @@ impl candle_core::CustomOp3 for Fused<'_> {
 /// * `key_cache`, `value_cache`, `slot_mapping`, `scales` - as in
 ///   [`reshape_and_cache`].
 ///
-/// Returns `(num_tokens, num_heads * head_size)` in the rows' dtype. The
-/// rotation is computed in f32 and rounded once on CUDA; candle's CPU
+/// Returns `(num_tokens, num_heads * head_size)` in the rows' dtype (empty,
+/// with nothing stored, for 0 tokens). The rotation is computed in f32 and rounded once on CUDA; candle's CPU
 /// rotary ops round as they go for f16/bf16.
 pub fn rotary_reshape_and_cache(
     qkv: &Tensor,
@@ -226,6 +226,10 @@ pub fn rotary_reshape_and_cache(
         if !t.device().same_device(qkv.device()) {
             bail!("{OP}: {name} is not on qkv's device");
         }
+    }
+    if num_tokens == 0 {
+        // No tokens: nothing to store, no queries to rotate.
+        return Tensor::zeros((0, num_heads * d), dtype, qkv.device());
     }
     #[cfg(feature = "cuda")]
     if qkv.device().is_cuda() {

@@ -36,6 +36,21 @@ pub enum Fail {
     AfterStore,
 }
 
+/// Logits a chosen sequence gets instead of its one-hot row (a hostile
+/// checkpoint's NaN or infinity).
+#[derive(Clone, Copy, Debug)]
+pub struct Poison {
+    /// The token at position 0 of the poisoned sequences.
+    pub first_token: u32,
+    /// Rows at this position or later are poisoned.
+    pub from_position: usize,
+    /// The value written.
+    pub value: f32,
+    /// Every logit of the row, or only one beside the one-hot peak (which
+    /// keeps its 1).
+    pub whole_row: bool,
+}
+
 /// The mock model: a full-attention layer and, optionally, a sliding-window
 /// layer.
 pub struct MockModel {
@@ -46,6 +61,7 @@ pub struct MockModel {
     device: Device,
     calls: Cell<usize>,
     failures: RefCell<BTreeMap<usize, Fail>>,
+    poisons: RefCell<Vec<Poison>>,
 }
 
 /// FNV-1a over the pairs, reduced to a token id.
@@ -104,6 +120,7 @@ impl MockModel {
             device: Device::Cpu,
             calls: Cell::new(0),
             failures: RefCell::new(BTreeMap::new()),
+            poisons: RefCell::new(Vec::new()),
         })
     }
 
@@ -111,6 +128,11 @@ impl MockModel {
     /// life) fail `how`.
     pub fn fail_at(&self, call: usize, how: Fail) {
         self.failures.borrow_mut().insert(call, how);
+    }
+
+    /// Makes the rows `poison` names non-finite from now on.
+    pub fn poison(&self, poison: Poison) {
+        self.poisons.borrow_mut().push(poison);
     }
 
     /// Forward calls so far.
@@ -207,7 +229,7 @@ impl PagedModel for MockModel {
         let kv = Tensor::from_vec(kv, (n, HEAD), &self.device)?;
         let q = Tensor::zeros((n, HEAD), DType::F32, &self.device)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let out = layer.forward(&q, &kv, &kv, cache.layer(i), metadata)?;
+            let out = layer.forward(&q, &kv, &kv, cache.layer(i)?, metadata)?;
             if out.dims() != [n, HEAD] {
                 bail!("mock: attention output {:?}", out.dims());
             }
@@ -218,10 +240,10 @@ impl PagedModel for MockModel {
         let host = metadata.batch().host();
         let width = host.block_table_width();
         let bs = host.block_size();
-        let full: Vec<f32> = cache.layer(0).value().flatten_all()?.to_vec1()?;
+        let full: Vec<f32> = cache.layer(0)?.value().flatten_all()?.to_vec1()?;
         let windowed = match (self.window, self.layers.len()) {
             (Some(w), 2) => {
-                let values: Vec<f32> = cache.layer(1).value().flatten_all()?.to_vec1()?;
+                let values: Vec<f32> = cache.layer(1)?.value().flatten_all()?.to_vec1()?;
                 let tables = match metadata.window_groups().first() {
                     Some(g) => g.batch().host().block_tables().to_vec(),
                     None => host.block_tables().to_vec(),
@@ -245,8 +267,19 @@ impl PagedModel for MockModel {
                 let table = &tables[seq * width..(seq + 1) * width];
                 pairs.extend(read_pairs(values, table, bs, (p + 1).saturating_sub(*w), p));
             }
+            let first = pairs.first().map(|&(t, _)| t);
             let next = hash_pairs(pairs.into_iter(), self.vocab) as usize;
-            logits[r * self.vocab + next] = 1.0;
+            let out = &mut logits[r * self.vocab..(r + 1) * self.vocab];
+            out[next] = 1.0;
+            for poison in self.poisons.borrow().iter() {
+                if Some(poison.first_token) == first && p >= poison.from_position {
+                    if poison.whole_row {
+                        out.fill(poison.value);
+                    } else {
+                        out[(next + 1) % self.vocab] = poison.value;
+                    }
+                }
+            }
         }
         Tensor::from_vec(logits, (rows.len(), self.vocab), &self.device)
     }

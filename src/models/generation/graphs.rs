@@ -275,7 +275,7 @@ fn check_blocks(
 ) -> Result<()> {
     for (i, layer) in layers.iter().enumerate() {
         let view = padded.for_layer(layer.options().sliding_window, None)?;
-        let blocks = cache.layer(i).num_blocks();
+        let blocks = cache.layer(i)?.num_blocks();
         let host = view.batch.host();
         if let Some(id) = host.max_block_id().filter(|&id| id as usize >= blocks) {
             bail!("{OP}: layer {i} reads block {id} of a cache of {blocks} blocks");

@@ -2,7 +2,7 @@
 //! top-k and top-p, seeded per sequence, after an optional repeat penalty
 //! (candle-transformers' `LogitsProcessor` and `utils::apply_repeat_penalty`).
 
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use candle_transformers::utils::apply_repeat_penalty;
 
@@ -153,7 +153,11 @@ impl Sampler {
 
     /// Picks a token from `logits` `(vocab,)`, penalising the tokens among
     /// the last `repeat_last_n` of `prompt` followed by `generated`.
+    ///
+    /// Logits with a NaN or an infinity are an error (naming the first
+    /// such token and its value), greedy or sampled: no token is picked.
     pub fn sample(&mut self, logits: &Tensor, prompt: &[u32], generated: &[u32]) -> Result<u32> {
+        check_finite(logits)?;
         if !self.penalizes() {
             return self.inner.sample(logits);
         }
@@ -167,6 +171,21 @@ impl Sampler {
         let logits = apply_repeat_penalty(logits, self.repeat_penalty, &recent)?;
         self.inner.sample(&logits)
     }
+}
+
+/// Refuses `logits` `(vocab,)` holding a NaN or an infinity.
+fn check_finite(logits: &Tensor) -> Result<()> {
+    let values = logits
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    if let Some((t, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        bail!(
+            "sampling: non-finite logits: token {t} of {} has logit {v}",
+            values.len()
+        );
+    }
+    Ok(())
 }
 
 impl std::fmt::Debug for Sampler {
@@ -244,6 +263,50 @@ mod tests {
         });
         assert!(g.is_greedy());
         assert_eq!(g.sample(&l, &[], &[]).unwrap(), 1);
+    }
+
+    #[test]
+    fn non_finite_logits_pick_no_token_greedy_penalised_or_sampled() {
+        let greedy = SamplingParams::greedy(1);
+        let penalised = SamplingParams {
+            repeat_penalty: 2.0,
+            ..greedy.clone()
+        };
+        let sampled = SamplingParams {
+            temperature: 1.0,
+            top_k: Some(2),
+            ..greedy.clone()
+        };
+        for params in [greedy, penalised, sampled] {
+            for (values, bad) in [
+                ([f32::NAN; 4], "token 0 of 4 has logit NaN"),
+                ([1.0, 2.0, f32::INFINITY, 0.5], "token 2 of 4 has logit inf"),
+                (
+                    [1.0, f32::NEG_INFINITY, 3.0, 0.5],
+                    "token 1 of 4 has logit -inf",
+                ),
+                ([1.0, 2.0, 0.0, f32::NAN], "token 3 of 4 has logit NaN"),
+            ] {
+                let mut s = Sampler::new(&params);
+                for dtype in [DType::F32, DType::BF16, DType::F16] {
+                    let l = logits(&values).to_dtype(dtype).unwrap();
+                    let err = s.sample(&l, &[1], &[0]).unwrap_err().to_string();
+                    assert!(
+                        err.starts_with(&format!("sampling: non-finite logits: {bad}")),
+                        "{params:?} {dtype:?}: {err}"
+                    );
+                }
+                // Finite logits still give a token: the argmax (1), the
+                // penalised argmax (2: token 1 was seen), or one of the top 2.
+                let t = s.sample(&logits(&[1.0, 3.0, 2.9, 0.5]), &[1], &[]).unwrap();
+                let ok = match (params.temperature > 0.0, params.repeat_penalty != 1.0) {
+                    (true, _) => t == 1 || t == 2,
+                    (false, true) => t == 2,
+                    (false, false) => t == 1,
+                };
+                assert!(ok, "{params:?}: {t}");
+            }
+        }
     }
 
     #[test]

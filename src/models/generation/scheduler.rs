@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use candle_core::{bail, Device, Error, Result, Tensor, D};
+use candle_core::{bail, DType, Device, Error, Result, Tensor, D};
 
 use super::buckets::decode_split_plan_keys;
 #[cfg(feature = "cuda")]
@@ -191,6 +191,9 @@ struct StepLogits {
     /// The argmax of the logit row of each sequence whose sampler takes the
     /// plain argmax (greedy, no repeat penalty), by logit row.
     argmax: Vec<Option<u32>>,
+    /// True for a greedy row holding a NaN or infinite logit (its argmax
+    /// means nothing), by logit row.
+    non_finite: Vec<bool>,
     /// The logit rows of the other sequences (sampled, or penalised), on the host,
     /// by logit row.
     sampled: Vec<Option<Tensor>>,
@@ -204,6 +207,24 @@ fn pick_rows(logits: &Tensor, idx: &[usize]) -> Result<Tensor> {
     }
     let ids: Vec<u32> = idx.iter().map(|&r| r as u32).collect();
     logits.index_select(&Tensor::new(ids, logits.device())?, 0)
+}
+
+/// The argmax of each row of `(rows, vocab)` `logits` and whether the row is
+/// finite (no NaN, no infinity), computed on the logits' device and read back
+/// in one copy of `2 * rows` integers.
+fn greedy_argmax(logits: &Tensor) -> Result<(Vec<u32>, Vec<bool>)> {
+    let n = logits.dim(0)?;
+    let tokens = logits.argmax(D::Minus1)?;
+    // x - x is 0 for a finite logit and NaN for NaN or +-inf, so a row sums
+    // to exactly 0 when every logit is finite, and to NaN otherwise.
+    let finite = logits
+        .sub(logits)?
+        .sum(D::Minus1)?
+        .eq(0f64)?
+        .to_dtype(DType::U32)?;
+    let both: Vec<u32> = Tensor::cat(&[&tokens, &finite], 0)?.to_vec1()?;
+    let (tokens, finite) = both.split_at(n);
+    Ok((tokens.to_vec(), finite.iter().map(|&f| f == 1).collect()))
 }
 
 /// Runs requests through a [`PagedModel`] with continuous batching.
@@ -802,6 +823,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                 .forward(&input()?, &batch.metadata, &self.cache, &[0])?;
             return Ok(StepLogits {
                 argmax: Vec::new(),
+                non_finite: Vec::new(),
                 sampled: Vec::new(),
             });
         }
@@ -832,14 +854,15 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         let (greedy_rows, sampled_rows): (Vec<usize>, Vec<usize>) =
             (0..rows.len()).partition(|&r| greedy[r]);
         // Greedy rows take their argmax on the logits' device in one pass
-        // and one copy, instead of one copy of a vocabulary row per sequence.
+        // and one copy, instead of one copy of a vocabulary row per sequence;
+        // the copy also carries a finiteness flag per row.
         let mut argmax = vec![None; rows.len()];
+        let mut non_finite = vec![false; rows.len()];
         if !greedy_rows.is_empty() {
-            let tokens: Vec<u32> = pick_rows(&logits, &greedy_rows)?
-                .argmax(D::Minus1)?
-                .to_vec1()?;
-            for (&r, t) in greedy_rows.iter().zip(tokens) {
+            let (tokens, finite) = greedy_argmax(&pick_rows(&logits, &greedy_rows)?)?;
+            for ((&r, t), ok) in greedy_rows.iter().zip(tokens).zip(finite) {
                 argmax[r] = Some(t);
+                non_finite[r] = !ok;
             }
         }
         // Sampled rows come to the host in one copy, without the greedy ones.
@@ -850,7 +873,11 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
                 sampled[r] = Some(host.get(j)?);
             }
         }
-        Ok(StepLogits { argmax, sampled })
+        Ok(StepLogits {
+            argmax,
+            non_finite,
+            sampled,
+        })
     }
 
     /// Runs a decode step whose metadata was built on the host: through its
@@ -955,6 +982,13 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             let Some(seq) = self.running.iter_mut().find(|s| s.request.id == id) else {
                 bail!("{OP}: scheduled sequence {id} is not running");
             };
+            if logits.non_finite.get(r).copied().unwrap_or(false) {
+                let why = format!(
+                    "{OP}: request {id}: the model gave non-finite logits (NaN or infinity) for its next token; greedy decoding cannot pick one"
+                );
+                finished.push((id, FinishReason::Error(why)));
+                continue;
+            }
             let token = match (&logits.sampled[r], logits.argmax.get(r).copied().flatten()) {
                 (Some(row), _) => {
                     match seq.sampler.sample(row, &seq.request.prompt, &seq.generated) {
@@ -1003,6 +1037,45 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         self.manager.free(id)?;
         self.finished += 1;
         self.completions.push(seq.into_completion(finish));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_argmax_flags_non_finite_rows_and_keeps_the_tokens_of_finite_ones() -> Result<()> {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let rows: [[f32; 5]; 6] = [
+            [0.0, 1.0, 3.0, -2.0, 2.5],
+            [nan; 5],
+            [1.0, 2.0, nan, 0.0, 0.0],
+            [1.0, inf, 2.0, 0.0, 0.0],
+            [-inf, 1.0, 2.0, 0.0, 0.0],
+            // Large finite logits: x - x is still exactly 0.
+            [1e38, -1e38, 0.0, 0.0, 1.0],
+        ];
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let logits = Tensor::from_vec(flat.clone(), (6, 5), &Device::Cpu)?.to_dtype(dtype)?;
+            let (tokens, finite) = greedy_argmax(&logits)?;
+            // 1e38 is infinite in f16: that row is flagged there.
+            let last = dtype != DType::F16;
+            assert_eq!(
+                finite,
+                [true, false, false, false, false, last],
+                "{dtype:?}"
+            );
+            // The argmax of the finite rows is candle's, unchanged.
+            let want: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+            assert_eq!(tokens, want, "{dtype:?}");
+            assert_eq!((tokens[0], tokens[5]), (2, 0), "{dtype:?}");
+            // A gather of some rows, as for a batch of greedy and sampled rows.
+            let (tokens, finite) = greedy_argmax(&pick_rows(&logits, &[3, 0])?)?;
+            assert_eq!((tokens[1], finite), (2, vec![false, true]), "{dtype:?}");
+        }
         Ok(())
     }
 }
