@@ -7,7 +7,6 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor, D};
 use candle_paged_attention::models::{chat, tokenizer};
 use candle_transformers::models::quantized_llama::ModelWeights;
