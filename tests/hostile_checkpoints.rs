@@ -5,6 +5,8 @@
 
 #![cfg(feature = "models")]
 
+#[macro_use]
+mod common;
 mod tiny_checkpoint;
 
 use std::io::Cursor;
@@ -12,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
 use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_paged_attention::models::limits::read_gguf;
 use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
@@ -289,3 +291,77 @@ fn the_tiny_safetensors_models_load_and_run() -> Result<()> {
     }
     Ok(())
 }
+
+/// A tiny Llama whose embedding of token 7 is NaN, in the engine (greedy
+/// through the device argmax, with and without CUDA graphs, and sampled):
+/// a request ends with a non-finite-logits error exactly when token 7 was
+/// fed to the model (in its prompt, or generated and fed back), never with
+/// a token picked from NaN logits; the others finish; every block is freed.
+fn nan_logits_end_their_requests(dev: &Device) -> Result<()> {
+    use candle_paged_attention::models::generation::{
+        Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
+    };
+    use candle_paged_attention::models::{CacheConfig, PagedKvCache};
+    const POISON: u32 = 7;
+    let config = llama_config_json();
+    let mut weights = weights_for(&config)?;
+    let embed = weights["model.embed_tokens.weight"].clone();
+    let mut rows: Vec<Vec<f32>> = embed.to_vec2()?;
+    rows[POISON as usize] = vec![f32::NAN; HIDDEN];
+    weights.insert(
+        "model.embed_tokens.weight".into(),
+        Tensor::new(rows, &Device::Cpu)?,
+    );
+    let weights = weights
+        .into_iter()
+        .map(|(k, v)| Ok((k, v.to_device(dev)?)))
+        .collect::<Result<std::collections::HashMap<_, _>>>()?;
+    let model = load_config(&config, VarBuilder::from_tensors(weights, DType::F32, dev))?;
+    let prompts: [&[u32]; 4] = [&[1, 2, POISON, 3], &[4, 5, 6], &[POISON], &[8, 9, 10, 11, 12]];
+    for (graphs, temperature) in [(false, 0.0), (true, 0.0), (false, 0.8)] {
+        let cache = PagedKvCache::new(&model.attention_layers(), CacheConfig::new(32), DType::F32, dev)?;
+        let mut engine = Engine::new(model.as_ref(), cache, SchedulerConfig::default())?
+            .with_cuda_graphs(graphs);
+        for (i, p) in prompts.iter().enumerate() {
+            engine.add_request(Request {
+                id: i as u64,
+                prompt: p.to_vec(),
+                params: SamplingParams {
+                    temperature,
+                    seed: i as u64,
+                    ..SamplingParams::greedy(6)
+                },
+            })?;
+        }
+        let mut done = engine.run(|_| {})?;
+        done.sort_by_key(|c| c.id);
+        ensure!(done.len() == prompts.len());
+        for (c, p) in done.iter().zip(prompts) {
+            let fed: Vec<u32> = match &c.finish {
+                FinishReason::Error(_) => p.iter().chain(&c.tokens).copied().collect(),
+                _ => p.iter().chain(&c.tokens[..c.tokens.len().saturating_sub(1)]).copied().collect(),
+            };
+            let poisoned = fed.contains(&POISON);
+            match &c.finish {
+                FinishReason::Error(e) => ensure!(
+                    poisoned && e.contains("non-finite logits"),
+                    "request {} (graphs {graphs}, temperature {temperature}): {e}",
+                    c.id
+                ),
+                FinishReason::Length => ensure!(
+                    !poisoned && c.tokens.len() == 6,
+                    "request {} finished after token {POISON} was fed: {:?}",
+                    c.id,
+                    c.tokens
+                ),
+                f => anyhow::bail!("request {}: {f:?}", c.id),
+            }
+        }
+        ensure!(done[0].error().is_some() && done[2].error().is_some());
+        ensure!(done[0].tokens.is_empty() && done[2].tokens.is_empty());
+        ensure!(engine.block_manager().num_used_blocks() == 0);
+    }
+    Ok(())
+}
+
+device_test!(nan_logits_end_their_requests);
