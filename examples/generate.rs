@@ -46,22 +46,21 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
-use candle_nn::VarBuilder;
 use candle_paged_attention::models::chat::{self, ChatMessage, ChatTemplate};
 use candle_paged_attention::models::fetch::fetch_model;
 use candle_paged_attention::models::generation::{
     Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
-use candle_paged_attention::models::hub::{self, CheckpointFiles, SafetensorsFiles};
-use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
+#[cfg(feature = "hub")]
+use candle_paged_attention::models::hub::{self, CheckpointFiles};
+use candle_paged_attention::models::registry::{Dequantize, LoadOptions};
 use candle_paged_attention::models::tokenizer::{self, ModelTokenizer, TextStream};
 use candle_paged_attention::models::{
-    gemma2, gemma3, llama, quantized_llama, CacheConfig, CachePlan, CacheSizing, PagedKvCache,
-    PagedModel, PagedOptions, DEFAULT_CPU_KV_BYTES,
+    self, CacheConfig, CachePlan, CacheSizing, PagedKvCache, PagedModel, PagedOptions,
+    DEFAULT_CPU_KV_BYTES,
 };
 use candle_paged_attention::{Attention, KvCacheDtype, KvScales};
 use clap::Parser;
-use tokenizers::Tokenizer;
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with paged Llama / Gemma models and continuous batching")]
@@ -189,6 +188,7 @@ pub struct Args {
     tokenizer: Option<PathBuf>,
 }
 
+/// A loaded checkpoint and the chat template the prompts go through.
 struct Loaded {
     model: Box<dyn PagedModel>,
     tokenizer: ModelTokenizer,
@@ -224,164 +224,69 @@ fn no_hub_error(id: &str) -> String {
     )
 }
 
-/// The chat template of `--chat-template` or the checkpoint, if any, with
-/// the checkpoint's BOS/EOS texts.
-fn chat_template(args: &Args, tok: &ModelTokenizer) -> Result<Option<ChatTemplate>> {
+/// Loads the checkpoint at `path` through the library's registry
+/// ([`models::load`]) with the runner's flags, printing its notes; the chat
+/// template of `--chat-template` or the checkpoint.
+fn load(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
+    let options = LoadOptions {
+        paged: opts,
+        dtype: activation_dtype(&args.dtype, dev)?,
+        dequantize: match (args.dequantize, args.keep_quantized) {
+            (true, _) => Dequantize::Always,
+            (false, true) => Dequantize::Never,
+            (false, false) => Dequantize::Auto,
+        },
+        tokenizer: args.tokenizer.clone(),
+    };
+    let loaded = models::load(path, dev, &options)?;
+    for note in &loaded.notes {
+        eprintln!("note: {note}{}", flag_hint(note));
+    }
     let source = match &args.chat_template {
         Some(p) => Some(
             std::fs::read_to_string(p)
                 .with_context(|| format!("--chat-template: reading {}", p.display()))?,
         ),
-        None => tok.chat_template.clone(),
+        None => None,
     };
-    let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or_default();
-    source
-        .map(|s| {
-            ChatTemplate::new(&s, &text(tok.special.bos), &text(tok.special.eos))
-                .context("the chat template (--chat-template or the checkpoint's)")
-        })
-        .transpose()
+    let template = loaded
+        .chat_template(source.as_deref())
+        .context("the chat template (--chat-template or the checkpoint's)")?;
+    Ok(Loaded {
+        model: loaded.model,
+        tokenizer: loaded.tokenizer,
+        template,
+        name: loaded.name,
+    })
 }
 
-fn load_gguf(path: &Path, args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
-    let mut file =
-        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let ct = candle_paged_attention::models::limits::read_gguf(&mut file)
-        .with_context(|| format!("reading {}", path.display()))?;
-    let mut tokenizer = ModelTokenizer::from_gguf(&ct)?;
-    if let Some(p) = &args.tokenizer {
-        tokenizer.tokenizer = Tokenizer::from_file(p)
-            .map_err(|e| anyhow::anyhow!("--tokenizer: loading {}: {e}", p.display()))?;
+/// The runner flag that reverses a dequantization note.
+fn flag_hint(note: &str) -> &'static str {
+    if note.starts_with("dequantizing") {
+        " (--keep-quantized keeps them)"
+    } else {
+        ""
     }
-    let name = ct
-        .metadata
-        .get("general.name")
-        .and_then(|v| v.to_string().ok())
-        .cloned()
-        .unwrap_or_else(|| path.display().to_string());
-    let (dequantize, why) = dequantize_gguf(&ct, args, dev);
-    if let Some(why) = why {
-        eprintln!("note: {why}");
-    }
-    let arch = ct
-        .metadata
-        .get("general.architecture")
-        .and_then(|v| v.to_string().ok())
-        .cloned()
-        .unwrap_or_default();
-    let dtype = activation_dtype(&args.dtype, dev)?;
-    let model: Box<dyn PagedModel> = match (arch.as_str(), dequantize) {
-        ("gemma3", true) if dtype != DType::F32 => bail!(
-            "GGUF Gemma 3 runs dequantized in f32 only, not {dtype:?} (--dtype f32, or --keep-quantized for {dtype:?})"
-        ),
-        ("gemma3", true) => Box::new(QuantizedGemma3::from_gguf_dequantized(
-            &ct, &mut file, dev, opts,
-        )?),
-        ("gemma3", false) => Box::new(QuantizedGemma3::from_gguf_with_dtype(
-            &ct, &mut file, dev, opts, dtype,
-        )?),
-        (_, dequantize) => Box::new(quantized_llama::QuantizedLlama::from_gguf_with_dtype(
-            &ct, &mut file, dev, opts, dequantize, dtype,
-        )?),
-    };
-    Ok(Loaded {
-        model,
-        template: chat_template(args, &tokenizer)?,
-        tokenizer,
-        name,
-    })
 }
 
 /// Whether the GGUF weights are dequantized to f32 at load time, and a note
 /// saying why when it was not asked for: with `--dequantize`; by default on
-/// the CPU when the file has Q4_0 or Q4_1 weights (candle's CPU matmuls of
-/// these are quantized dot products, slower than f32 matmuls for prompts and
-/// batches, and SmolLM2's Q4_1 weights answer off-topic with their 8-bit
-/// activation rounding) and the f32 weights take at most half the memory
-/// available, unless `--keep-quantized`.
+/// the CPU when the file has Q4_0 or Q4_1 weights and the f32 weights take
+/// at most half the memory available ([`models::registry::auto_dequantize`]),
+/// unless `--keep-quantized`.
 pub fn dequantize_gguf(
     ct: &gguf_file::Content,
     args: &Args,
     dev: &Device,
 ) -> (bool, Option<String>) {
-    use candle_core::quantized::GgmlDType;
     if args.dequantize {
         return (true, None);
     }
-    if args.keep_quantized || !dev.is_cpu() {
+    if args.keep_quantized {
         return (false, None);
     }
-    let q4 = ct
-        .tensor_infos
-        .values()
-        .find(|t| matches!(t.ggml_dtype, GgmlDType::Q4_0 | GgmlDType::Q4_1));
-    let Some(q4) = q4 else {
-        return (false, None);
-    };
-    let f32_bytes: usize = ct
-        .tensor_infos
-        .values()
-        .map(|t| t.shape.elem_count().saturating_mul(4))
-        .fold(0, usize::saturating_add);
-    match host_memory_available() {
-        Some(avail) if f32_bytes > avail / 2 => (
-            false,
-            Some(format!(
-                "keeping the {:?} weights quantized: as f32 they would take {:.0} MiB, more than half the {:.0} MiB available",
-                q4.ggml_dtype,
-                mib(f32_bytes),
-                mib(avail)
-            )),
-        ),
-        _ => (
-            true,
-            Some(format!(
-                "dequantizing the {:?} weights to f32 ({:.0} MiB): faster on the CPU (--keep-quantized keeps them)",
-                q4.ggml_dtype,
-                mib(f32_bytes)
-            )),
-        ),
-    }
-}
-
-fn load_dir(
-    files: &SafetensorsFiles,
-    args: &Args,
-    dev: &Device,
-    opts: PagedOptions,
-) -> Result<Loaded> {
-    let dir = files.dir.as_path();
-    let config = std::fs::read_to_string(&files.config)
-        .with_context(|| format!("reading {}", files.config.display()))?;
-    let json: serde_json::Value = serde_json::from_str(&config)?;
-    let model_type = json["model_type"].as_str().unwrap_or("llama").to_string();
-    let dtype = activation_dtype(&args.dtype, dev)?;
-    // SAFETY: the files are not modified while the model is loaded.
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, dev)? };
-    let model: Box<dyn PagedModel> = match model_type.as_str() {
-        "llama" | "mistral" => {
-            let cfg: llama::LlamaConfig = serde_json::from_str(&config)?;
-            Box::new(llama::Llama::load(vb, &cfg.into_config(false), opts)?)
-        }
-        "gemma2" => Box::new(gemma2::Gemma2::load(
-            vb,
-            &serde_json::from_str(&config)?,
-            opts,
-        )?),
-        "gemma3" | "gemma3_text" => Box::new(gemma3::Gemma3::load(
-            vb,
-            &serde_json::from_str(&config)?,
-            opts,
-        )?),
-        t => bail!("model_type {t} is not supported (llama, gemma2, gemma3_text)"),
-    };
-    let tokenizer = ModelTokenizer::from_dir(dir, args.tokenizer.as_deref())?;
-    Ok(Loaded {
-        model,
-        template: chat_template(args, &tokenizer)?,
-        tokenizer,
-        name: format!("{} ({model_type})", dir.display()),
-    })
+    let (yes, note) = models::registry::auto_dequantize(ct, dev);
+    (yes, note.map(|n| format!("{n}{}", flag_hint(&n))))
 }
 
 /// A prompt's token ids and its full text: through the chat template
@@ -558,15 +463,6 @@ fn kv_cache_dtype(flag: &str) -> Result<KvCacheDtype> {
     })
 }
 
-/// Memory the host can give the KV cache: `MemAvailable` of /proc/meminfo
-/// (Linux), `None` where unknown.
-fn host_memory_available() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
-
 /// Blocks per full-attention layer from `--num-blocks`, `--kv-memory-mb`
 /// or, by default, `--gpu-memory-utilization` on CUDA (256 MiB on the CPU),
 /// through the library's [`CacheSizing`]; the cache's bytes are checked
@@ -599,7 +495,7 @@ fn cache_plan(args: &Args, model: &dyn PagedModel, dev: &Device) -> Result<(Cach
         .plan(model, args.window_blocks)
         .with_context(|| format!("{flag}, --block-size {}", args.block_size))?;
     if dev.is_cpu() {
-        if let Some(avail) = host_memory_available() {
+        if let Some(avail) = models::registry::host_memory_available() {
             if plan.bytes > avail {
                 bail!(
                     "{flag}: the KV cache would take {} bytes ({} blocks of {} tokens in {} layers), more than the {avail} bytes of memory available",
@@ -649,10 +545,7 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         kv_cache_dtype: kv_cache_dtype(&args.kv_cache_dtype)?,
     };
     let start = Instant::now();
-    let mut loaded = match hub::checkpoint_files(&path)? {
-        CheckpointFiles::Safetensors(files) => load_dir(&files, &args, &dev, opts)?,
-        CheckpointFiles::Gguf(file) => load_gguf(&file, &args, &dev, opts)?,
-    };
+    let mut loaded = load(&path, &args, &dev, opts)?;
     if loaded.template.is_none() {
         if args.system.is_some() {
             bail!(

@@ -317,9 +317,19 @@ fn nan_logits_end_their_requests(dev: &Device) -> Result<()> {
         .map(|(k, v)| Ok((k, v.to_device(dev)?)))
         .collect::<Result<std::collections::HashMap<_, _>>>()?;
     let model = load_config(&config, VarBuilder::from_tensors(weights, DType::F32, dev))?;
-    let prompts: [&[u32]; 4] = [&[1, 2, POISON, 3], &[4, 5, 6], &[POISON], &[8, 9, 10, 11, 12]];
+    let prompts: [&[u32]; 4] = [
+        &[1, 2, POISON, 3],
+        &[4, 5, 6],
+        &[POISON],
+        &[8, 9, 10, 11, 12],
+    ];
     for (graphs, temperature) in [(false, 0.0), (true, 0.0), (false, 0.8)] {
-        let cache = PagedKvCache::new(&model.attention_layers(), CacheConfig::new(32), DType::F32, dev)?;
+        let cache = PagedKvCache::new(
+            &model.attention_layers(),
+            CacheConfig::new(32),
+            DType::F32,
+            dev,
+        )?;
         let mut engine = Engine::new(model.as_ref(), cache, SchedulerConfig::default())?
             .with_cuda_graphs(graphs);
         for (i, p) in prompts.iter().enumerate() {
@@ -339,7 +349,11 @@ fn nan_logits_end_their_requests(dev: &Device) -> Result<()> {
         for (c, p) in done.iter().zip(prompts) {
             let fed: Vec<u32> = match &c.finish {
                 FinishReason::Error(_) => p.iter().chain(&c.tokens).copied().collect(),
-                _ => p.iter().chain(&c.tokens[..c.tokens.len().saturating_sub(1)]).copied().collect(),
+                _ => p
+                    .iter()
+                    .chain(&c.tokens[..c.tokens.len().saturating_sub(1)])
+                    .copied()
+                    .collect(),
             };
             let poisoned = fed.contains(&POISON);
             match &c.finish {

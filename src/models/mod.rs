@@ -20,6 +20,9 @@
 //!   SentencePiece vocabularies, `tokenizer.json`; special tokens.
 //! * [`chat`] - the checkpoint's chat template, rendered with `minijinja`.
 //! * [`generation`] - sampling and a continuous-batching [`generation::Engine`].
+//! * [`registry`] - one table from a checkpoint's architecture to its
+//!   loaders, and [`load`]: a GGUF file or a safetensors folder into a
+//!   model, its tokenizer and its chat template.
 //! * [`hub`] - which files of a checkpoint to load (a GGUF file, or a
 //!   safetensors directory and its shards), from a local folder, the Hugging
 //!   Face hub cache or, with the `hub` feature, a download.
@@ -119,6 +122,8 @@ pub mod llama;
 pub mod quantized_gemma3;
 #[cfg(feature = "models")]
 pub mod quantized_llama;
+#[cfg(feature = "models")]
+pub mod registry;
 mod rotary;
 #[cfg(feature = "models")]
 pub mod tokenizer;
@@ -132,6 +137,8 @@ pub use kv_cache::{
     CacheConfig, CacheFootprint, CachePlan, CacheSizing, MemoryProfile, PagedKvCache,
     DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
+#[cfg(feature = "models")]
+pub use registry::{load, Dequantize, LoadOptions, Loaded};
 pub use rotary::{Rotary, RotaryEmbedding};
 
 /// Paging options shared by every attention layer of a model.
