@@ -27,19 +27,27 @@ fn token_string(v: &Value) -> Option<&str> {
         .or_else(|| v.get("content").and_then(Value::as_str))
 }
 
-/// `eos_token_id` of a config: a number or a list of numbers.
-fn id_list(config: Option<&Value>, key: &str) -> Vec<u32> {
+/// The token ids at `key` of the config file `file` (`eos_token_id`: a
+/// number or a list of numbers; absent or `null` is none), each checked to
+/// be a token of `tok`: an id that is not a number, or that the vocabulary
+/// lacks, is an error naming the file, the key and the value.
+fn id_list(file: &str, config: Option<&Value>, key: &str, tok: &Tokenizer) -> Result<Vec<u32>> {
+    let one = |v: &Value| -> Result<u32> {
+        let Some(id) = v.as_u64().and_then(|v| u32::try_from(v).ok()) else {
+            bail!("{OP}: {file} {key} = {v} is not a token id");
+        };
+        if tok.id_to_token(id).is_none() {
+            bail!(
+                "{OP}: {file} {key} = {id} is not in the vocabulary of {} tokens",
+                tok.get_vocab_size(true)
+            );
+        }
+        Ok(id)
+    };
     match config.and_then(|c| c.get(key)) {
-        Some(Value::Number(n)) => n
-            .as_u64()
-            .and_then(|v| u32::try_from(v).ok())
-            .into_iter()
-            .collect(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|v| v.as_u64().and_then(|v| u32::try_from(v).ok()))
-            .collect(),
-        _ => Vec::new(),
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a.iter().filter(|v| !v.is_null()).map(one).collect(),
+        Some(v) => Ok(vec![one(v)?]),
     }
 }
 
@@ -94,20 +102,42 @@ pub(super) fn from_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<ModelToke
     let config = read_json(&dir.join("tokenizer_config.json"))?;
     let generation = read_json(&dir.join("generation_config.json"))?;
     let model = read_json(&dir.join("config.json"))?;
-    let named = |key: &str| -> Option<u32> {
-        config
+    // A token tokenizer_config.json names must be in the vocabulary.
+    let named = |key: &str| -> Result<Option<u32>> {
+        let Some(t) = config
             .as_ref()
             .and_then(|c| c.get(key))
             .and_then(token_string)
-            .and_then(|t| tok.token_to_id(t))
+        else {
+            return Ok(None);
+        };
+        match tok.token_to_id(t) {
+            Some(id) => Ok(Some(id)),
+            None => bail!(
+                "{OP}: tokenizer_config.json {key} = {t:?} is not a token of the vocabulary of {} tokens",
+                tok.get_vocab_size(true)
+            ),
+        }
     };
-    let first_id = |key: &str| {
-        [generation.as_ref(), model.as_ref()]
-            .into_iter()
-            .find_map(|c| id_list(c, key).first().copied())
+    let first_id = |key: &str| -> Result<Option<u32>> {
+        for (file, c) in [
+            ("generation_config.json", generation.as_ref()),
+            ("config.json", model.as_ref()),
+        ] {
+            if let Some(&id) = id_list(file, c, key, &tok)?.first() {
+                return Ok(Some(id));
+            }
+        }
+        Ok(None)
     };
-    let bos = named("bos_token").or_else(|| first_id("bos_token_id"));
-    let eos = named("eos_token").or_else(|| first_id("eos_token_id"));
+    let bos = match named("bos_token")? {
+        Some(id) => Some(id),
+        None => first_id("bos_token_id")?,
+    };
+    let eos = match named("eos_token")? {
+        Some(id) => Some(id),
+        None => first_id("eos_token_id")?,
+    };
     // What tokenizer.json's post-processor adds, where the config is silent.
     let added = |flag: &str| -> Result<bool> {
         if let Some(b) = config
@@ -138,12 +168,113 @@ pub(super) fn from_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<ModelToke
         add_eos: added("add_eos_token")?,
         stop: Vec::new(),
     };
-    let mut extra = id_list(generation.as_ref(), "eos_token_id");
-    extra.extend(id_list(model.as_ref(), "eos_token_id"));
+    let mut extra = id_list(
+        "generation_config.json",
+        generation.as_ref(),
+        "eos_token_id",
+        &tok,
+    )?;
+    extra.extend(id_list(
+        "config.json",
+        model.as_ref(),
+        "eos_token_id",
+        &tok,
+    )?);
     special.collect_stop(&tok, extra);
     Ok(ModelTokenizer {
         tokenizer: tok,
         special,
         chat_template: chat_template(dir, config.as_ref())?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use tokenizers::models::wordlevel::WordLevel;
+
+    use super::*;
+
+    /// A folder holding a two-token `tokenizer.json` (`a`, `b`) and
+    /// `files`, removed on drop.
+    struct Dir(std::path::PathBuf);
+
+    impl Dir {
+        fn new(tag: &str, files: &[(&str, &str)]) -> Self {
+            let dir = std::env::temp_dir().join(format!("cpa-dir-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let model = WordLevel::builder()
+                .vocab(
+                    [("a".to_string(), 0), ("b".to_string(), 1)]
+                        .into_iter()
+                        .collect(),
+                )
+                .unk_token("a".into())
+                .build()
+                .unwrap();
+            Tokenizer::new(model)
+                .save(dir.join("tokenizer.json"), false)
+                .unwrap();
+            for (name, text) in files {
+                std::fs::write(dir.join(name), text).unwrap();
+            }
+            Self(dir)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn special_token_ids_outside_the_vocabulary_are_refused_at_load() {
+        let ok = Dir::new(
+            "ok",
+            &[(
+                "config.json",
+                r#"{"bos_token_id": 1, "eos_token_id": [0, null]}"#,
+            )],
+        );
+        let tok = from_dir(&ok.0, None).unwrap();
+        assert_eq!((tok.special.bos, tok.special.eos), (Some(1), Some(0)));
+        for (tag, file, text, want) in [
+            (
+                "bos",
+                "config.json",
+                r#"{"bos_token_id": 4000000000}"#,
+                "tokenizer: config.json bos_token_id = 4000000000 is not in the vocabulary of 2 tokens",
+            ),
+            (
+                "eos",
+                "generation_config.json",
+                r#"{"eos_token_id": [1, 2]}"#,
+                "tokenizer: generation_config.json eos_token_id = 2 is not in the vocabulary of 2 tokens",
+            ),
+            (
+                "neg",
+                "config.json",
+                r#"{"eos_token_id": -1}"#,
+                "tokenizer: config.json eos_token_id = -1 is not a token id",
+            ),
+            (
+                "big",
+                "config.json",
+                r#"{"bos_token_id": 1e10}"#,
+                "tokenizer: config.json bos_token_id = 10000000000.0 is not a token id",
+            ),
+            (
+                "named",
+                "tokenizer_config.json",
+                r#"{"bos_token": "<s>"}"#,
+                "tokenizer: tokenizer_config.json bos_token = \"<s>\" is not a token of the vocabulary of 2 tokens",
+            ),
+        ] {
+            let dir = Dir::new(tag, &[(file, text)]);
+            let err = from_dir(&dir.0, None).unwrap_err().to_string();
+            // The message's first line: no backtrace.
+            assert_eq!(err.lines().next(), Some(want), "{tag}");
+        }
+    }
 }
