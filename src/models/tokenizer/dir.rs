@@ -94,10 +94,54 @@ fn chat_template(dir: &Path, config: Option<&Value>) -> Result<Option<String>> {
     }
 }
 
+/// Checks what `tokenizers` 0.23 assumes of a BPE model without checking
+/// it: with a `continuing_subword_prefix`, the second piece of every merge
+/// starts with it (building the model subtracts the prefix's length from
+/// the piece's and slices the piece there: a shorter piece panicked).
+fn check_bpe_merges(path: &Path, json: &Value) -> Result<()> {
+    let Some(model) = json.get("model") else {
+        return Ok(());
+    };
+    let prefix = match model.get("continuing_subword_prefix") {
+        Some(Value::String(p)) if !p.is_empty() => p.as_str(),
+        _ => return Ok(()),
+    };
+    let Some(merges) = model.get("merges").and_then(Value::as_array) else {
+        return Ok(());
+    };
+    for (i, m) in merges.iter().enumerate() {
+        let second = match m {
+            Value::String(s) => s.split_once(' ').map(|(_, b)| b),
+            Value::Array(pair) => pair.get(1).and_then(Value::as_str),
+            _ => None,
+        };
+        if let Some(b) = second {
+            if !b.starts_with(prefix) {
+                bail!(
+                    "{OP}: {}: merge {i} joins {b:?}, which does not start with the model's continuing_subword_prefix {prefix:?}",
+                    path.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// See [`ModelTokenizer::from_dir`].
 pub(super) fn from_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<ModelTokenizer> {
     let path = tokenizer.map_or_else(|| dir.join("tokenizer.json"), Path::to_path_buf);
-    let tok = Tokenizer::from_file(&path)
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) => bail!("{OP}: reading {}: {e}", path.display()),
+    };
+    // The file must be JSON before `tokenizers` reads it: its decoder
+    // field's deserializer panics (`expect("Helper")`) on malformed JSON
+    // inside it, where valid JSON of any shape is an error.
+    let json: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::msg(format!("{OP}: parsing {}: {e}", path.display())))?;
+    check_bpe_merges(&path, &json)?;
+    let tok: Tokenizer = text
+        .parse()
         .map_err(|e| Error::msg(format!("{OP}: loading {}: {e}", path.display())))?;
     let config = read_json(&dir.join("tokenizer_config.json"))?;
     let generation = read_json(&dir.join("generation_config.json"))?;
@@ -276,5 +320,44 @@ mod tests {
             // The message's first line: no backtrace.
             assert_eq!(err.lines().next(), Some(want), "{tag}");
         }
+    }
+
+    #[test]
+    fn tokenizer_json_that_panicked_tokenizers_is_an_error() {
+        let bpe = |prefix: &str, decoder: &str| {
+            format!(
+                r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":{decoder},"model":{{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":{prefix},"end_of_word_suffix":null,"fuse_unk":false,"byte_fallback":false,"vocab":{{"a":0,"b":1,"ab":2}},"merges":["a b"]}}}}"#
+            )
+        };
+        let ok = Dir::new("bpe-ok", &[]);
+        std::fs::write(ok.0.join("tokenizer.json"), bpe("null", "null")).unwrap();
+        let tok = from_dir(&ok.0, None).unwrap();
+        assert_eq!(tok.tokenizer.encode("ab", false).unwrap().get_ids(), [2]);
+        // A continuing_subword_prefix longer than a merge's second piece:
+        // tokenizers subtracted the lengths and panicked.
+        std::fs::write(ok.0.join("tokenizer.json"), bpe("\"####\"", "null")).unwrap();
+        let err = from_dir(&ok.0, None).unwrap_err().to_string();
+        assert_eq!(
+            err.lines().next().unwrap(),
+            format!(
+                "tokenizer: {}: merge 0 joins \"b\", which does not start with the model's continuing_subword_prefix \"####\"",
+                ok.0.join("tokenizer.json").display()
+            )
+        );
+        // Malformed JSON inside the decoder: tokenizers' decoder
+        // deserializer panicked (expect("Helper")).
+        std::fs::write(
+            ok.0.join("tokenizer.json"),
+            bpe("null", r#"{"type":"ByteLevel",}"#),
+        )
+        .unwrap();
+        let err = from_dir(&ok.0, None).unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "tokenizer: parsing {}: trailing comma",
+                ok.0.join("tokenizer.json").display()
+            )),
+            "{err}"
+        );
     }
 }
