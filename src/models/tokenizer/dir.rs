@@ -94,34 +94,58 @@ fn chat_template(dir: &Path, config: Option<&Value>) -> Result<Option<String>> {
     }
 }
 
-/// Checks what `tokenizers` 0.23 assumes of a BPE model without checking
-/// it: with a `continuing_subword_prefix`, the second piece of every merge
-/// starts with it (building the model subtracts the prefix's length from
-/// the piece's and slices the piece there: a shorter piece panicked).
+/// Checks what `tokenizers` 0.23 assumes of a BPE model's merges without
+/// checking it before it slices: with a `continuing_subword_prefix`, the
+/// second piece of every merge starts with it (building the model
+/// subtracted the prefix's length from the piece's: a shorter piece
+/// panicked), and every merge's joined piece is in the vocabulary (it was
+/// copied into a buffer as long as the longest token first: a longer one
+/// panicked). A merge that breaks either is an error naming it.
 fn check_bpe_merges(path: &Path, json: &Value) -> Result<()> {
     let Some(model) = json.get("model") else {
         return Ok(());
     };
-    let prefix = match model.get("continuing_subword_prefix") {
-        Some(Value::String(p)) if !p.is_empty() => p.as_str(),
-        _ => return Ok(()),
-    };
-    let Some(merges) = model.get("merges").and_then(Value::as_array) else {
+    let (Some(vocab), Some(merges)) = (
+        model.get("vocab").and_then(Value::as_object),
+        model.get("merges").and_then(Value::as_array),
+    ) else {
         return Ok(());
     };
-    for (i, m) in merges.iter().enumerate() {
-        let second = match m {
-            Value::String(s) => s.split_once(' ').map(|(_, b)| b),
-            Value::Array(pair) => pair.get(1).and_then(Value::as_str),
-            _ => None,
+    let prefix = match model.get("continuing_subword_prefix") {
+        Some(Value::String(p)) => p.as_str(),
+        _ => "",
+    };
+    let legacy = merges
+        .iter()
+        .filter(|m| !m.as_str().is_some_and(|s| s.starts_with("#version")));
+    for (i, m) in legacy.enumerate() {
+        let (a, b) = match m {
+            Value::String(s) => match s.split(' ').collect::<Vec<_>>().as_slice() {
+                [a, b] => (*a, *b),
+                // tokenizers refuses it (BadMerges).
+                _ => continue,
+            },
+            Value::Array(pair) => match (
+                pair.first().and_then(Value::as_str),
+                pair.get(1).and_then(Value::as_str),
+            ) {
+                (Some(a), Some(b)) => (a, b),
+                _ => continue,
+            },
+            _ => continue,
         };
-        if let Some(b) = second {
-            if !b.starts_with(prefix) {
-                bail!(
-                    "{OP}: {}: merge {i} joins {b:?}, which does not start with the model's continuing_subword_prefix {prefix:?}",
-                    path.display()
-                );
-            }
+        let Some(rest) = b.strip_prefix(prefix) else {
+            bail!(
+                "{OP}: {}: merge {i} joins {b:?}, which does not start with the model's continuing_subword_prefix {prefix:?}",
+                path.display()
+            );
+        };
+        let joined = format!("{a}{rest}");
+        if !vocab.contains_key(&joined) {
+            bail!(
+                "{OP}: {}: merge {i} joins {a:?} and {b:?} into {joined:?}, which is not in the vocabulary",
+                path.display()
+            );
         }
     }
     Ok(())
@@ -341,6 +365,21 @@ mod tests {
             err.lines().next().unwrap(),
             format!(
                 "tokenizer: {}: merge 0 joins \"b\", which does not start with the model's continuing_subword_prefix \"####\"",
+                ok.0.join("tokenizer.json").display()
+            )
+        );
+        // A merge whose joined piece is longer than every token: it was
+        // copied into a buffer of the longest token's length, which panicked.
+        std::fs::write(
+            ok.0.join("tokenizer.json"),
+            bpe("null", "null").replace(r#"["a b"]"#, r#"["ab ab"]"#),
+        )
+        .unwrap();
+        let err = from_dir(&ok.0, None).unwrap_err().to_string();
+        assert_eq!(
+            err.lines().next().unwrap(),
+            format!(
+                "tokenizer: {}: merge 0 joins \"ab\" and \"ab\" into \"abab\", which is not in the vocabulary",
                 ok.0.join("tokenizer.json").display()
             )
         );
