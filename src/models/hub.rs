@@ -53,6 +53,51 @@ pub const TOKENIZER_FILES: [&str; 4] = [
     "chat_template.json",
 ];
 
+/// Checks that `name`, the value of `what`, is a relative path that stays
+/// inside the folder it is joined to: not empty, not absolute, no `\\`, NUL
+/// or empty component, and no `.` or `..` component (`Q4/model.gguf` is
+/// fine, `../model.gguf`, `/etc/passwd` and `a//b` are not). Names from a
+/// repository listing, an index file or the command line are checked so
+/// before they are joined to a snapshot or download folder.
+pub fn check_relative_name(what: &str, name: &str) -> Result<()> {
+    let why = if name.is_empty() {
+        Some("it is empty")
+    } else if name.starts_with('/') || Path::new(name).is_absolute() {
+        Some("it is an absolute path")
+    } else if name.contains('\\') || name.contains('\0') {
+        Some("it holds a backslash or NUL")
+    } else if name
+        .split('/')
+        .any(|c| c.is_empty() || c == "." || c == "..")
+    {
+        Some("it has an empty, `.` or `..` component")
+    } else {
+        None
+    };
+    match why {
+        Some(why) => bail!("hub: {what} {name:?} would leave its folder: {why}"),
+        None => Ok(()),
+    }
+}
+
+/// Checks that `commit` (what `source` names: a ref file or the revision
+/// itself) is one folder name (a commit hash): ASCII letters, digits, `-`,
+/// `_` and `.`, not empty, not `.` or `..`.
+fn check_commit(source: &str, commit: &str) -> Result<()> {
+    if commit.is_empty()
+        || commit == "."
+        || commit == ".."
+        || !commit
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        bail!(
+            "hub: {source} holds {commit:?}, not a commit hash (one folder name of letters, digits, -, _ and .)"
+        );
+    }
+    Ok(())
+}
+
 /// What to download from a repository, from its file listing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RepoPlan {
@@ -81,6 +126,7 @@ pub enum RepoPlan {
 pub fn files_to_download(listing: &[String], gguf_file: Option<&str>) -> Result<RepoPlan> {
     let has = |name: &str| listing.iter().any(|f| f == name);
     if let Some(f) = gguf_file {
+        check_relative_name("model file", f)?;
         if !has(f) {
             bail!(
                 "hub: the repository has no file {f} (its GGUF files: {})",
@@ -117,6 +163,9 @@ pub fn files_to_download(listing: &[String], gguf_file: Option<&str>) -> Result<
             files.push("model.safetensors".to_string());
         } else {
             let mut shards: Vec<String> = shards.into_iter().cloned().collect();
+            for s in &shards {
+                check_relative_name("listed weight file", s)?;
+            }
             shards.sort();
             files.extend(shards);
         }
@@ -124,7 +173,10 @@ pub fn files_to_download(listing: &[String], gguf_file: Option<&str>) -> Result<
     }
     let ggufs = gguf_names(listing);
     match ggufs.as_slice() {
-        [one] => Ok(RepoPlan::Gguf(one.clone())),
+        [one] => {
+            check_relative_name("listed GGUF file", one)?;
+            Ok(RepoPlan::Gguf(one.clone()))
+        }
         [] => bail!(
             "hub: the repository has neither a GGUF file nor config.json with safetensors weights"
         ),
@@ -189,6 +241,7 @@ pub fn index_shards(index: &Path) -> Result<Vec<String>> {
                 index.display()
             );
         }
+        check_relative_name("safetensors shard", file)?;
         shards.insert(file.to_string());
     }
     if shards.is_empty() {
@@ -321,14 +374,18 @@ pub fn cached_snapshot(cache: &Path, model_id: &str, revision: &str) -> Result<P
         );
     }
     let reference = repo.join("refs").join(revision);
-    let commit = if reference.is_file() {
+    let (commit, source) = if reference.is_file() {
         match std::fs::read_to_string(&reference) {
-            Ok(c) => c.trim().to_string(),
+            Ok(c) => (
+                c.trim().to_string(),
+                format!("the ref file {}", reference.display()),
+            ),
             Err(e) => bail!("hub: reading {}: {e}", reference.display()),
         }
     } else {
-        revision.to_string()
+        (revision.to_string(), "the revision".to_string())
     };
+    check_commit(&source, &commit)?;
     let snapshot = repo.join("snapshots").join(&commit);
     if !snapshot.is_dir() {
         bail!(
@@ -352,6 +409,7 @@ pub fn cached_checkpoint(
     let snapshot = cached_snapshot(cache, model_id, revision)?;
     match gguf_file {
         Some(f) => {
+            check_relative_name("model file", f)?;
             let path = snapshot.join(f);
             if !path.is_file() {
                 bail!(
@@ -435,5 +493,140 @@ pub fn download(
             };
             checkpoint_files(&dir)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error's message (its first line: no backtrace).
+    fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
+        let e = r.unwrap_err().to_string();
+        e.lines().next().unwrap_or_default().to_string()
+    }
+
+    #[test]
+    fn relative_names_must_stay_in_their_folder() {
+        check_relative_name("model file", "m.gguf").unwrap();
+        check_relative_name("model file", "Q4/m.gguf").unwrap();
+        for (name, why) in [
+            ("", "it is empty"),
+            ("/etc/passwd", "it is an absolute path"),
+            (
+                "../../../etc/passwd",
+                "it has an empty, `.` or `..` component",
+            ),
+            ("a/../../b.gguf", "it has an empty, `.` or `..` component"),
+            ("a//b.gguf", "it has an empty, `.` or `..` component"),
+            ("./b.gguf", "it has an empty, `.` or `..` component"),
+            ("a\\..\\b.gguf", "it holds a backslash or NUL"),
+            ("a\0b", "it holds a backslash or NUL"),
+        ] {
+            assert_eq!(
+                err(check_relative_name("model file", name)),
+                format!("hub: model file {name:?} would leave its folder: {why}")
+            );
+        }
+    }
+
+    #[test]
+    fn a_listing_cannot_name_files_outside_the_repository() {
+        let listing = |names: &[&str]| names.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            err(files_to_download(
+                &listing(&["../../x.gguf"]),
+                Some("../../x.gguf")
+            )),
+            "hub: model file \"../../x.gguf\" would leave its folder: it has an empty, `.` or `..` component"
+        );
+        assert_eq!(
+            files_to_download(&listing(&["q/m.gguf"]), Some("q/m.gguf")).unwrap(),
+            RepoPlan::Gguf("q/m.gguf".into())
+        );
+        assert_eq!(
+            err(files_to_download(
+                &listing(&["/abs.gguf"]),
+                Some("/abs.gguf")
+            )),
+            "hub: model file \"/abs.gguf\" would leave its folder: it is an absolute path"
+        );
+    }
+}
+
+#[cfg(all(test, unix))]
+mod cache_tests {
+    use super::*;
+
+    /// The error's message (its first line: no backtrace).
+    fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
+        let e = r.unwrap_err().to_string();
+        e.lines().next().unwrap_or_default().to_string()
+    }
+
+    #[test]
+    fn refs_and_model_files_stay_in_the_snapshot() {
+        let cache = std::env::temp_dir().join(format!("cpa-hub-refs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&cache);
+        let repo = cache.join("models--org--m");
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        std::fs::create_dir_all(repo.join("snapshots").join(commit)).unwrap();
+        std::fs::create_dir_all(repo.join("refs")).unwrap();
+        std::fs::write(repo.join("snapshots").join(commit).join("m.gguf"), "g").unwrap();
+        // A file outside the snapshot that `..` would reach.
+        std::fs::write(repo.join("outside.gguf"), "x").unwrap();
+        std::fs::write(repo.join("refs/main"), format!("{commit}\n")).unwrap();
+        let snapshot = cached_snapshot(&cache, "org/m", "main").unwrap();
+        assert_eq!(snapshot, repo.join("snapshots").join(commit));
+        assert_eq!(
+            cached_checkpoint(&cache, "org/m", "main", Some("m.gguf")).unwrap(),
+            CheckpointFiles::Gguf(snapshot.join("m.gguf"))
+        );
+        for f in ["../../outside.gguf", "/etc/passwd", ""] {
+            let e = err(cached_checkpoint(&cache, "org/m", "main", Some(f)));
+            assert!(
+                e.starts_with(&format!("hub: model file {f:?} would leave its folder: ")),
+                "{e}"
+            );
+        }
+        for held in ["../..", "..", "a/b", "", "..\\x"] {
+            std::fs::write(repo.join("refs/main"), held).unwrap();
+            assert_eq!(
+                err(cached_snapshot(&cache, "org/m", "main")),
+                format!(
+                    "hub: the ref file {} holds {held:?}, not a commit hash (one folder name of letters, digits, -, _ and .)",
+                    repo.join("refs/main").display()
+                )
+            );
+        }
+        let _ = std::fs::remove_dir_all(&cache);
+    }
+
+    #[test]
+    fn index_shard_names_cannot_leave_the_snapshot() {
+        let dir = std::env::temp_dir().join(format!("cpa-hub-index-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let index = dir.join(SAFETENSORS_INDEX);
+        for (shard, want) in [
+            ("../../etc/passwd", "not a *.safetensors file name"),
+            ("../../x.safetensors", "not a *.safetensors file name"),
+            ("/abs/x.safetensors", "not a *.safetensors file name"),
+        ] {
+            std::fs::write(&index, format!(r#"{{"weight_map": {{"w": "{shard}"}}}}"#)).unwrap();
+            let e = err(index_shards(&index));
+            assert_eq!(
+                e,
+                format!(
+                    "safetensors index: {}: the shard of w is {shard:?}, {want}",
+                    index.display()
+                )
+            );
+        }
+        std::fs::write(&index, r#"{"weight_map": {"w": "a\\..\\x.safetensors"}}"#).unwrap();
+        assert_eq!(
+            err(index_shards(&index)),
+            "hub: safetensors shard \"a\\\\..\\\\x.safetensors\" would leave its folder: it holds a backslash or NUL"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

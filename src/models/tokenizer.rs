@@ -507,6 +507,42 @@ mod tests {
     }
 
     #[test]
+    fn a_huge_sentencepiece_piece_loads_in_linear_time() {
+        // A 200,000-character piece (and one of its halves): the merges were
+        // found by hashing every prefix of every piece, 5 s for this piece.
+        let mut ct = tiny_spm(false);
+        let huge = "a".repeat(200_000);
+        let half = "a".repeat(100_000);
+        for (key, values) in [
+            (
+                "tokenizer.ggml.tokens",
+                vec![Value::String(huge.clone()), Value::String(half.clone())],
+            ),
+            ("tokenizer.ggml.token_type", vec![Value::I32(1); 2]),
+            (
+                "tokenizer.ggml.scores",
+                vec![Value::F32(-0.5), Value::F32(-0.25)],
+            ),
+        ] {
+            match ct.metadata.get_mut(key) {
+                Some(Value::Array(a)) => a.extend(values),
+                _ => unreachable!("tiny_spm has {key}"),
+            }
+        }
+        let start = std::time::Instant::now();
+        let tok = ModelTokenizer::from_gguf(&ct).unwrap();
+        let took = start.elapsed();
+        assert!(took < std::time::Duration::from_secs(1), "{took:?}");
+        let t = &tok.tokenizer;
+        // Ids: 265 the huge piece, 266 its half (no merge chain from `a`
+        // reaches them: "aaa" stays three `a`s).
+        assert_eq!(t.token_to_id(&huge), Some(265));
+        assert_eq!(t.token_to_id(&half), Some(266));
+        assert_eq!(encode(t, "aaa").unwrap(), [260, 260, 260]);
+        assert_eq!(encode(t, " ab").unwrap(), [262, 261]);
+    }
+
+    #[test]
     fn sentencepiece_needs_scores_bytes_and_the_default_pre_tokenizer() {
         let mut ct = tiny_spm(false);
         ct.metadata.insert(

@@ -29,24 +29,90 @@ use super::OP;
 /// SentencePiece's escaped space.
 const SPACE: &str = "\u{2581}";
 
+/// A byte trie of pieces: which prefixes of a text are pieces, in time
+/// linear in the text.
+struct Trie {
+    /// (node, byte) to the node below; node 0 is the root.
+    edges: HashMap<(u32, u8), u32>,
+    /// Whether a piece ends at the node, by node.
+    ends: Vec<bool>,
+}
+
+impl Trie {
+    fn new() -> Self {
+        Self {
+            edges: HashMap::new(),
+            ends: vec![false],
+        }
+    }
+
+    fn insert(&mut self, bytes: impl Iterator<Item = u8>) {
+        let mut node = 0u32;
+        for b in bytes {
+            node = match self.edges.get(&(node, b)) {
+                Some(&next) => next,
+                None => {
+                    let next = self.ends.len() as u32;
+                    self.ends.push(false);
+                    self.edges.insert((node, b), next);
+                    next
+                }
+            };
+        }
+        self.ends[node as usize] = true;
+    }
+
+    /// `out[k]` is true when the first `k` bytes of `bytes` are a piece
+    /// (`out` has one entry more than `bytes`).
+    fn prefixes(&self, bytes: impl ExactSizeIterator<Item = u8>) -> Vec<bool> {
+        let mut out = vec![false; bytes.len() + 1];
+        let mut node = 0u32;
+        out[0] = self.ends[0];
+        for (k, b) in bytes.enumerate() {
+            match self.edges.get(&(node, b)) {
+                Some(&next) => node = next,
+                None => break,
+            }
+            out[k + 1] = self.ends[node as usize];
+        }
+        out
+    }
+}
+
 /// The merges of the vocabulary, best first: `(a, b)` for every split of
 /// every normal piece into two normal pieces, ordered by the joined piece's
 /// score (descending), then its id, then the split position.
+///
+/// The splits of a piece are found with two tries of the normal pieces
+/// (forwards and backwards), so the work is linear in the vocabulary's
+/// bytes: hashing every prefix of every piece was quadratic in a piece's
+/// length (a 200,000-character piece took seconds).
 fn merges(vocab: &GgufVocab, scores: &[f32]) -> Vec<(String, String)> {
-    let normal: HashMap<&str, usize> = vocab
+    let normal: Vec<(usize, &str)> = vocab
         .tokens
         .iter()
         .zip(&vocab.types)
         .enumerate()
         .filter(|(_, (_, &ty))| ty == token_type::NORMAL)
-        .map(|(id, (t, _))| (t.as_str(), id))
+        .map(|(id, (t, _))| (id, t.as_str()))
         .collect();
+    let mut forwards = Trie::new();
+    let mut backwards = Trie::new();
+    for (_, piece) in &normal {
+        forwards.insert(piece.bytes());
+        backwards.insert(piece.bytes().rev());
+    }
     // (score, id, split byte offset)
     let mut ranked: Vec<(f32, usize, usize)> = Vec::new();
-    for (&piece, &id) in &normal {
-        for (at, _) in piece.char_indices().skip(1) {
-            let (a, b) = piece.split_at(at);
-            if normal.contains_key(a) && normal.contains_key(b) {
+    for &(id, piece) in &normal {
+        let n = piece.len();
+        let prefix = forwards.prefixes(piece.bytes());
+        let suffix = backwards.prefixes(piece.bytes().rev());
+        // A split at byte `at` (0 < at < n) joins the piece piece[..at] and
+        // the piece piece[at..]; both are valid UTF-8 pieces, so `at` is a
+        // character boundary.
+        for at in 1..n {
+            if prefix[at] && suffix[n - at] {
                 // `scores` has one entry per token: checked by the caller.
                 ranked.push((scores[id], id, at));
             }
