@@ -110,12 +110,21 @@ fn template() -> impl Strategy<Value = String> {
     ]
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: 10_000,
+/// `cases` cases (or `$FUZZ_CASES`) from a fixed seed, so that CI runs the
+/// same cases every time (`$FUZZ_SEED` explores others), without
+/// regression files.
+fn fuzz_config(cases: u32) -> ProptestConfig {
+    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+    ProptestConfig {
+        cases: env("FUZZ_CASES").map_or(cases, |c| c as u32),
+        rng_seed: proptest::test_runner::RngSeed::Fixed(env("FUZZ_SEED").unwrap_or(0x5eed_cafe)),
         failure_persistence: None,
         ..ProptestConfig::default()
-    })]
+    }
+}
+
+proptest! {
+    #![proptest_config(fuzz_config(10_000))]
 
     #[test]
     fn templates_render_or_fail_cleanly_in_bounded_time(source in template()) {
