@@ -70,6 +70,29 @@ impl FusedLinear {
         })
     }
 
+    /// Loads a checkpoint's already-joined projection `name` (an
+    /// `(sum(outs), in_dim)` weight, with a `(sum(outs),)` bias when
+    /// `bias`) from `vb`: Phi-3's `qkv_proj` and `gate_up_proj`. `outs` are
+    /// the widths of its projections, in order.
+    pub(crate) fn load_joined(
+        in_dim: usize,
+        name: &str,
+        outs: &[usize],
+        bias: bool,
+        vb: &VarBuilder,
+    ) -> Result<Self> {
+        let total = outs
+            .iter()
+            .try_fold(0usize, |a, &o| a.checked_add(o))
+            .ok_or_else(|| {
+                candle_core::Error::msg(format!("fused-linear: {name} widths {outs:?} overflow"))
+            })?;
+        Ok(Self {
+            linear: candle_nn::linear_b(in_dim, total, bias, vb.pp(name))?,
+            outs: outs.to_vec(),
+        })
+    }
+
     /// `x` `(num_tokens, in_dim)` -> the projections side by side,
     /// `(num_tokens, sum(out_dim))`, from one matmul.
     pub(crate) fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
@@ -133,6 +156,15 @@ impl GatedMlp {
             down: candle_nn::linear_no_bias(intermediate, hidden, vb.pp("down_proj"))?,
             act,
         })
+    }
+}
+
+impl GatedMlp {
+    /// A block of an already-loaded `gate_up` (`(num_tokens, hidden)` ->
+    /// `(num_tokens, 2 * inter)`, gate columns first) and `down`
+    /// (`inter -> hidden`).
+    pub(crate) fn from_parts(gate_up: FusedLinear, down: Linear, act: Activation) -> Self {
+        Self { gate_up, down, act }
     }
 }
 

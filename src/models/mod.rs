@@ -1,4 +1,5 @@
-//! Paged Llama, Gemma 2 and Gemma 3 models (feature `models`).
+//! Paged Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and Gemma 3
+//! models (feature `models`).
 //!
 //! The decoder stacks of candle-transformers 0.11.1, adapted to the paged
 //! cache: every forward pass takes the flat tokens of a whole mixed batch
@@ -10,7 +11,12 @@
 //! embeddings gather their cos/sin rows at each token's position, and each
 //! layer's [`Attention`] stores its keys and values in its cache and attends.
 //!
+//! * [`decoder::DecoderStack`] - one pre-norm decoder stack for the
+//!   Llama-like families, built from a [`decoder::DecoderSpec`].
 //! * [`llama::Llama`] - Llama 2/3 (SmolLM2, TinyLlama, ...) from safetensors.
+//! * [`mistral`], [`qwen2`], [`qwen3`], [`phi3`] - Mistral (sliding
+//!   window), Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms) and Phi-3 (joined
+//!   projections, partial and long rope) from safetensors, on the stack.
 //! * [`quantized_llama::QuantizedLlama`] - Llama from a GGUF file (`QMatMul`).
 //! * [`quantized_gemma3::QuantizedGemma3`] - Gemma 3 from a GGUF file
 //!   (`QMatMul`), with Hugging Face's sliding window and activation.
@@ -101,6 +107,8 @@
 #[cfg(feature = "models")]
 pub mod chat;
 #[cfg(feature = "models")]
+pub mod decoder;
+#[cfg(feature = "models")]
 pub mod fetch;
 #[cfg(feature = "models")]
 pub mod gemma2;
@@ -119,9 +127,17 @@ pub mod limits;
 #[cfg(feature = "models")]
 pub mod llama;
 #[cfg(feature = "models")]
+pub mod mistral;
+#[cfg(feature = "models")]
+pub mod phi3;
+#[cfg(feature = "models")]
 pub mod quantized_gemma3;
 #[cfg(feature = "models")]
 pub mod quantized_llama;
+#[cfg(feature = "models")]
+pub mod qwen2;
+#[cfg(feature = "models")]
+pub mod qwen3;
 #[cfg(feature = "models")]
 pub mod registry;
 mod rotary;

@@ -19,7 +19,7 @@ use super::limits::read_gguf;
 use super::quantized_gemma3::QuantizedGemma3;
 use super::quantized_llama::QuantizedLlama;
 use super::tokenizer::ModelTokenizer;
-use super::{gemma2, gemma3, llama, PagedModel, PagedOptions};
+use super::{gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3, PagedModel, PagedOptions};
 
 const OP: &str = "models::load";
 
@@ -66,10 +66,33 @@ impl Architecture {
 pub const ARCHITECTURES: &[Architecture] = &[
     Architecture {
         name: "llama",
-        // Mistral checkpoints without a sliding window are Llamas.
-        model_types: &["llama", "mistral"],
+        model_types: &["llama"],
         gguf: Some(gguf_llama),
         safetensors: Some(safetensors_llama),
+    },
+    Architecture {
+        name: "mistral",
+        model_types: &["mistral"],
+        gguf: None,
+        safetensors: Some(safetensors_mistral),
+    },
+    Architecture {
+        name: "qwen2",
+        model_types: &["qwen2"],
+        gguf: None,
+        safetensors: Some(safetensors_qwen2),
+    },
+    Architecture {
+        name: "qwen3",
+        model_types: &["qwen3"],
+        gguf: None,
+        safetensors: Some(safetensors_qwen3),
+    },
+    Architecture {
+        name: "phi3",
+        model_types: &["phi3"],
+        gguf: None,
+        safetensors: Some(safetensors_phi3),
     },
     Architecture {
         name: "gemma2",
@@ -131,6 +154,48 @@ fn safetensors_llama(
         &cfg.into_config(false),
         options,
     )?))
+}
+
+/// A family's config parsed from `config` and its model loaded by `load`.
+fn safetensors_with<C: serde::de::DeserializeOwned, M: PagedModel + 'static>(
+    config: &str,
+    vb: VarBuilder,
+    options: PagedOptions,
+    load: fn(VarBuilder, &C, PagedOptions) -> Result<M>,
+) -> Result<Box<dyn PagedModel>> {
+    Ok(Box::new(load(vb, &parse(config)?, options)?))
+}
+
+fn safetensors_mistral(
+    config: &str,
+    vb: VarBuilder,
+    options: PagedOptions,
+) -> Result<Box<dyn PagedModel>> {
+    safetensors_with(config, vb, options, mistral::load)
+}
+
+fn safetensors_qwen2(
+    config: &str,
+    vb: VarBuilder,
+    options: PagedOptions,
+) -> Result<Box<dyn PagedModel>> {
+    safetensors_with(config, vb, options, qwen2::load)
+}
+
+fn safetensors_qwen3(
+    config: &str,
+    vb: VarBuilder,
+    options: PagedOptions,
+) -> Result<Box<dyn PagedModel>> {
+    safetensors_with(config, vb, options, qwen3::load)
+}
+
+fn safetensors_phi3(
+    config: &str,
+    vb: VarBuilder,
+    options: PagedOptions,
+) -> Result<Box<dyn PagedModel>> {
+    safetensors_with(config, vb, options, phi3::load)
 }
 
 fn safetensors_gemma2(
@@ -445,11 +510,13 @@ mod tests {
             e.lines().next(),
             Some("models::load: GGUF architecture qwen2 is not supported (llama, gemma3)")
         );
-        let e = safetensors_architecture("phi3").unwrap_err().to_string();
+        let e = safetensors_architecture("phi").unwrap_err().to_string();
         assert_eq!(
             e.lines().next(),
-            Some("models::load: model_type phi3 is not supported (llama, mistral, gemma2, gemma3, gemma3_text)")
+            Some("models::load: model_type phi is not supported (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, gemma3_text)")
         );
-        assert_eq!(safetensors_architecture("mistral").unwrap().name, "llama");
+        for family in ["mistral", "qwen2", "qwen3", "phi3"] {
+            assert_eq!(safetensors_architecture(family).unwrap().name, family);
+        }
     }
 }
