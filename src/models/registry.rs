@@ -411,16 +411,11 @@ fn load_safetensors(
     let dir = files.dir.as_path();
     let config = std::fs::read_to_string(&files.config)
         .map_err(|e| Error::Msg(format!("{OP}: reading {}: {e}", files.config.display())))?;
-    let json: serde_json::Value = parse(&config)?;
-    let model_type = json["model_type"].as_str().unwrap_or("llama").to_string();
-    let architecture = safetensors_architecture(&model_type)?;
     // SAFETY: the files are not modified while the model is loaded (the
     // mapping is read-only; a file changed under it is the caller's bug).
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, options.dtype, device)? };
-    let Some(loader) = architecture.safetensors else {
-        bail!("{OP}: {model_type} has no safetensors loader");
-    };
-    let model = loader(&config, vb, options.paged)?;
+    let (model, architecture) = load_config(&config, vb, options.paged)?;
+    let model_type = architecture_model_type(&config)?;
     let tokenizer = ModelTokenizer::from_dir(dir, options.tokenizer.as_deref())?;
     Ok(Loaded {
         model,
@@ -429,6 +424,28 @@ fn load_safetensors(
         architecture,
         notes: Vec::new(),
     })
+}
+
+/// The `model_type` of a `config.json` text (`llama` when it has none).
+fn architecture_model_type(config: &str) -> Result<String> {
+    let json: serde_json::Value = parse(config)?;
+    Ok(json["model_type"].as_str().unwrap_or("llama").to_string())
+}
+
+/// Loads the model that `config` (a `config.json` text) describes from the
+/// weights in `vb`, through the [`ARCHITECTURES`] row of its `model_type`
+/// (`llama` when it has none); returns the model and its row.
+pub fn load_config(
+    config: &str,
+    vb: VarBuilder,
+    options: PagedOptions,
+) -> Result<(Box<dyn PagedModel>, &'static Architecture)> {
+    let model_type = architecture_model_type(config)?;
+    let architecture = safetensors_architecture(&model_type)?;
+    let Some(loader) = architecture.safetensors else {
+        bail!("{OP}: {model_type} has no safetensors loader");
+    };
+    Ok((loader(config, vb, options)?, architecture))
 }
 
 /// The memory available to this process in bytes (`MemAvailable` of
