@@ -79,13 +79,13 @@ pub const ARCHITECTURES: &[Architecture] = &[
     Architecture {
         name: "qwen2",
         model_types: &["qwen2"],
-        gguf: None,
+        gguf: Some(gguf_llama),
         safetensors: Some(safetensors_qwen2),
     },
     Architecture {
         name: "qwen3",
         model_types: &["qwen3"],
-        gguf: None,
+        gguf: Some(gguf_llama),
         safetensors: Some(safetensors_qwen3),
     },
     Architecture {
@@ -108,6 +108,10 @@ pub const ARCHITECTURES: &[Architecture] = &[
     },
 ];
 
+/// The GGUF loader of `llama`, `qwen2` and `qwen3`: one decoder, the
+/// family read from `general.architecture` ([`GgufFamily`]).
+///
+/// [`GgufFamily`]: super::quantized_llama::GgufFamily
 fn gguf_llama(
     ct: &gguf_file::Content,
     file: &mut File,
@@ -522,10 +526,10 @@ mod tests {
 
     #[test]
     fn unknown_architectures_are_named_with_the_known_ones() {
-        let e = gguf_architecture("qwen2").unwrap_err().to_string();
+        let e = gguf_architecture("phi2").unwrap_err().to_string();
         assert_eq!(
             e.lines().next(),
-            Some("models::load: GGUF architecture qwen2 is not supported (llama, gemma3)")
+            Some("models::load: GGUF architecture phi2 is not supported (llama, qwen2, qwen3, gemma3)")
         );
         let e = safetensors_architecture("phi").unwrap_err().to_string();
         assert_eq!(
