@@ -401,3 +401,47 @@ fn each_gguf_family_loads_through_the_registry() -> Result<()> {
     }
     Ok(())
 }
+
+/// Declared counts of the qwen families are checked, naming the key and the
+/// value, before anything is sized by them.
+#[test]
+fn hostile_qwen_metadata_is_refused_by_key() -> Result<()> {
+    let load = |family: &Family, key: &str, value: Value| -> Result<String> {
+        let md = tiny_checkpoint::with(&family.metadata(), key, Some(value));
+        let bytes = tiny_checkpoint::gguf_bytes(&md, &family.tensors(40)?)?;
+        match ours(&bytes) {
+            Ok(_) => anyhow::bail!("{key} loaded"),
+            // The first line: candle's errors may carry a backtrace.
+            Err(e) => Ok(e.to_string().lines().next().unwrap_or("").to_string()),
+        }
+    };
+    let e = load(&QWEN2, "qwen2.block_count", Value::U32(u32::MAX))?;
+    ensure!(
+        e.starts_with(
+            "quantized-qwen2: GGUF qwen2.block_count is 4294967295, more layers than the"
+        ),
+        "{e}"
+    );
+    let e = load(&QWEN3, "qwen3.attention.key_length", Value::U32(u32::MAX))?;
+    ensure!(
+        e.starts_with("quantized-qwen3: GGUF qwen3.attention.key_length")
+            && e.contains("4294967295"),
+        "{e}"
+    );
+    let e = load(&QWEN3, "qwen3.attention.value_length", Value::U32(16))?;
+    ensure!(
+        e == "quantized-qwen3: GGUF qwen3.attention.value_length 16 must equal the head size 32",
+        "{e}"
+    );
+    let e = load(&QWEN2, "qwen2.rope.dimension_count", Value::U32(u32::MAX))?;
+    ensure!(
+        e.starts_with("quantized-qwen2: GGUF qwen2.rope.dimension_count must be even"),
+        "{e}"
+    );
+    let e = load(&QWEN3, "qwen3.attention.head_count", Value::I32(-1))?;
+    ensure!(
+        e.starts_with("quantized-qwen3: GGUF qwen3.attention.head_count must be in 1..=u32::MAX"),
+        "{e}"
+    );
+    Ok(())
+}

@@ -182,13 +182,6 @@ impl GgufLlamaParams {
             );
         }
         let head_dim = key_length.unwrap_or(hidden_size / num_heads);
-        if family != GgufFamily::Llama {
-            if let Some(v) = optional("attention.value_length")? {
-                if v != head_dim {
-                    bail!("{op}: GGUF {pre}.attention.value_length {v} must equal the head size {head_dim}");
-                }
-            }
-        }
         let context_length = optional("context_length")?;
         let eps_key = format!("{pre}.attention.layer_norm_rms_epsilon");
         let eps = get(&eps_key)?;
@@ -240,6 +233,13 @@ impl GgufLlamaParams {
             rope_bases: &[("rope.freq_base", p.rope_freq_base as f64)],
         }
         .check()?;
+        if family != GgufFamily::Llama {
+            if let Some(v) = optional("attention.value_length")? {
+                if v != head_dim {
+                    bail!("{op}: GGUF {pre}.attention.value_length {v} must equal the head size {head_dim}");
+                }
+            }
+        }
         Ok(p)
     }
 
