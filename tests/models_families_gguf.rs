@@ -1,6 +1,7 @@
 //! The GGUF families of `QuantizedLlama` other than `llama` (llama.cpp's
-//! `qwen2` and `qwen3`) against candle-transformers 0.11.1's
-//! `quantized_qwen2` and `quantized_qwen3`, from tiny f32 GGUF files built
+//! `qwen2`, `qwen3` and `phi3`) against candle-transformers 0.11.1's
+//! `quantized_qwen2`, `quantized_qwen3` and `quantized_phi3`, from tiny
+//! f32 GGUF files built
 //! in memory and read by both:
 //!
 //! * the last logits of each prompt, prefilled in chunks, agree within f32
@@ -30,7 +31,7 @@ use candle_paged_attention::models::{
     self, CacheConfig, LoadOptions, PagedKvCache, PagedModel, PagedOptions,
 };
 use candle_paged_attention::Work;
-use candle_transformers::models::{quantized_qwen2, quantized_qwen3};
+use candle_transformers::models::{quantized_phi3, quantized_qwen2, quantized_qwen3};
 use rand::{Rng, SeedableRng};
 
 /// The tokenizer metadata's vocabulary.
@@ -77,6 +78,15 @@ const QWEN3: Family = Family {
     output: true,
 };
 
+/// candle-transformers' Phi-3 rotates with base 10000 whatever the file
+/// says, and needs `output.weight`.
+const PHI3: Family = Family {
+    family: GgufFamily::Phi3,
+    head_dim: HIDDEN / HEADS,
+    rope_base: 10000.,
+    output: true,
+};
+
 /// Deterministic values `center + scale * u`, `u` uniform in (-1, 1).
 fn random(shape: &[usize], seed: u64, center: f32, scale: f32) -> Result<QTensor> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -120,6 +130,12 @@ impl Family {
             ),
             (format!("{p}.context_length"), Value::U32(CONTEXT as u32)),
         ];
+        if self.family == GgufFamily::Phi3 {
+            md.push((
+                format!("{p}.rope.dimension_count"),
+                Value::U32(self.head_dim as u32),
+            ));
+        }
         if self.family == GgufFamily::Qwen3 {
             for key in ["key_length", "value_length"] {
                 md.push((
@@ -147,15 +163,24 @@ impl Family {
             let b = |n: &str| format!("blk.{i}.{n}");
             shapes.extend([
                 (b("attn_norm.weight"), vec![HIDDEN]),
-                (b("attn_q.weight"), vec![q, HIDDEN]),
-                (b("attn_k.weight"), vec![kv, HIDDEN]),
-                (b("attn_v.weight"), vec![kv, HIDDEN]),
                 (b("attn_output.weight"), vec![HIDDEN, q]),
                 (b("ffn_norm.weight"), vec![HIDDEN]),
-                (b("ffn_gate.weight"), vec![FF, HIDDEN]),
-                (b("ffn_up.weight"), vec![FF, HIDDEN]),
                 (b("ffn_down.weight"), vec![HIDDEN, FF]),
             ]);
+            if self.family == GgufFamily::Phi3 {
+                shapes.extend([
+                    (b("attn_qkv.weight"), vec![q + 2 * kv, HIDDEN]),
+                    (b("ffn_up.weight"), vec![2 * FF, HIDDEN]),
+                ]);
+            } else {
+                shapes.extend([
+                    (b("attn_q.weight"), vec![q, HIDDEN]),
+                    (b("attn_k.weight"), vec![kv, HIDDEN]),
+                    (b("attn_v.weight"), vec![kv, HIDDEN]),
+                    (b("ffn_gate.weight"), vec![FF, HIDDEN]),
+                    (b("ffn_up.weight"), vec![FF, HIDDEN]),
+                ]);
+            }
             match self.family {
                 GgufFamily::Qwen2 => shapes.extend([
                     (b("attn_q.bias"), vec![q]),
@@ -166,7 +191,7 @@ impl Family {
                     (b("attn_q_norm.weight"), vec![self.head_dim]),
                     (b("attn_k_norm.weight"), vec![self.head_dim]),
                 ]),
-                GgufFamily::Llama => {}
+                GgufFamily::Llama | GgufFamily::Phi3 => {}
             }
         }
         shapes
@@ -224,6 +249,15 @@ macro_rules! reference {
 reference!(quantized_qwen2::ModelWeights);
 reference!(quantized_qwen3::ModelWeights);
 
+/// candle-transformers' Phi-3 has no cache reset: a step at offset 0
+/// starts its cache over.
+impl Reference for quantized_phi3::ModelWeights {
+    fn step(&mut self, ids: &Tensor, offset: usize) -> candle_core::Result<Tensor> {
+        self.forward(ids, offset)?.flatten_all()
+    }
+    fn clear(&mut self) {}
+}
+
 fn theirs(family: GgufFamily, bytes: &[u8]) -> Result<Box<dyn Reference>> {
     let mut r = Cursor::new(bytes);
     let ct = gguf_file::Content::read(&mut r)?;
@@ -231,6 +265,9 @@ fn theirs(family: GgufFamily, bytes: &[u8]) -> Result<Box<dyn Reference>> {
     Ok(match family {
         GgufFamily::Qwen2 => Box::new(quantized_qwen2::ModelWeights::from_gguf(ct, &mut r, &dev)?),
         GgufFamily::Qwen3 => Box::new(quantized_qwen3::ModelWeights::from_gguf(ct, &mut r, &dev)?),
+        GgufFamily::Phi3 => Box::new(quantized_phi3::ModelWeights::from_gguf(
+            false, ct, &mut r, &dev,
+        )?),
         GgufFamily::Llama => anyhow::bail!("llama is tested elsewhere"),
     })
 }
@@ -360,11 +397,17 @@ fn qwen3_gguf_matches_candle_transformers() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn phi3_gguf_matches_candle_transformers() -> Result<()> {
+    check_family(&PHI3, 50)?;
+    Ok(())
+}
+
 /// Each family loads through `models::load` from a `.gguf` file, through
 /// its own registry row, and computes what the direct load computes.
 #[test]
 fn each_gguf_family_loads_through_the_registry() -> Result<()> {
-    for family in [QWEN2, QWEN3] {
+    for family in [QWEN2, QWEN3, PHI3] {
         let name = family.name();
         let bytes = family.gguf(30)?;
         let dir = std::env::temp_dir().join(format!(
@@ -402,10 +445,10 @@ fn each_gguf_family_loads_through_the_registry() -> Result<()> {
     Ok(())
 }
 
-/// Declared counts of the qwen families are checked, naming the key and the
+/// Declared counts of the qwen2, qwen3 and phi3 files are checked, naming the key and the
 /// value, before anything is sized by them.
 #[test]
-fn hostile_qwen_metadata_is_refused_by_key() -> Result<()> {
+fn hostile_family_metadata_is_refused_by_key() -> Result<()> {
     let load = |family: &Family, key: &str, value: Value| -> Result<String> {
         let md = tiny_checkpoint::with(&family.metadata(), key, Some(value));
         let bytes = tiny_checkpoint::gguf_bytes(&md, &family.tensors(40)?)?;
@@ -436,6 +479,26 @@ fn hostile_qwen_metadata_is_refused_by_key() -> Result<()> {
     let e = load(&QWEN2, "qwen2.rope.dimension_count", Value::U32(u32::MAX))?;
     ensure!(
         e.starts_with("quantized-qwen2: GGUF qwen2.rope.dimension_count must be even"),
+        "{e}"
+    );
+    let e = load(&PHI3, "phi3.attention.head_count_kv", Value::U32(4))?;
+    ensure!(
+        e == "quantized-phi3: blk.0.attn_qkv.weight have 128 rows, (attention.head_count + 2 * attention.head_count_kv) * head size is 192",
+        "{e}"
+    );
+    let mut tensors = PHI3.tensors(40)?;
+    tensors.push((
+        "rope_factors_long.weight".into(),
+        random(&[8], 1, 1.0, 0.1)?,
+    ));
+    let e = match ours(&tiny_checkpoint::gguf_bytes(&PHI3.metadata(), &tensors)?) {
+        Ok(_) => anyhow::bail!("rope factors loaded"),
+        Err(e) => e.to_string(),
+    };
+    ensure!(
+        e.starts_with(
+            "quantized-phi3: rope_factors_long.weight: LongRoPE scaling is not supported"
+        ),
         "{e}"
     );
     let e = load(&QWEN3, "qwen3.attention.head_count", Value::I32(-1))?;

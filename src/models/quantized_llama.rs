@@ -6,12 +6,13 @@
 //! permuted for interleaved rotary embeddings, so the rotation pairs
 //! `(2i, 2i + 1)` as candle-transformers does for this architecture.
 //!
-//! The same model reads llama.cpp's `qwen2` (q/k/v biases) and `qwen3`
+//! The same model reads llama.cpp's `qwen2` (q/k/v biases), `qwen3`
 //! (per-head RMS norms of q and k before the rotation, head size
-//! `qwen3.attention.key_length`), as candle-transformers'
-//! `quantized_qwen2` and `quantized_qwen3` do: their keys under the
-//! architecture's prefix, q and k stored unpermuted, so the rotation pairs
-//! `(i, i + d / 2)` (NEOX).
+//! `qwen3.attention.key_length`) and `phi3` (q/k/v stored as one
+//! `attn_qkv`, gate/up as one `ffn_up`), as candle-transformers'
+//! `quantized_qwen2`, `quantized_qwen3` and `quantized_phi3` do: their keys
+//! under the architecture's prefix, q and k stored unpermuted, so the
+//! rotation pairs `(i, i + d / 2)` (NEOX).
 //!
 //! The q/k/v weights are joined into one `QMatMul` at load time, and so are
 //! gate/up: their rows are concatenated as stored when they share a GGML
@@ -54,11 +55,16 @@ pub enum GgufFamily {
     /// and k before the rotation, NEOX rotary, head size
     /// `qwen3.attention.key_length`.
     Qwen3,
+    /// `phi3`: `blk.{i}.attn_qkv` `((h + 2 * kvh) * d, H)` and
+    /// `blk.{i}.ffn_up` `(2 * F, H)` (gate rows first), NEOX rotary; no
+    /// LongRoPE factors (`rope_factors_long`/`rope_factors_short` are
+    /// refused), no sliding window (as candle-transformers).
+    Phi3,
 }
 
 impl GgufFamily {
     /// Every family, in the order of [`name`](Self::name)s in messages.
-    pub const ALL: [GgufFamily; 3] = [Self::Llama, Self::Qwen2, Self::Qwen3];
+    pub const ALL: [GgufFamily; 4] = [Self::Llama, Self::Qwen2, Self::Qwen3, Self::Phi3];
 
     /// The family of GGUF architecture `name`, if it is one.
     pub fn from_architecture(name: &str) -> Option<Self> {
@@ -72,6 +78,7 @@ impl GgufFamily {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Phi3 => "phi3",
         }
     }
 
@@ -81,6 +88,7 @@ impl GgufFamily {
             Self::Llama => OP,
             Self::Qwen2 => "quantized-qwen2",
             Self::Qwen3 => "quantized-qwen3",
+            Self::Phi3 => "quantized-phi3",
         }
     }
 
@@ -96,6 +104,22 @@ impl GgufFamily {
 
     fn qk_norm(self) -> bool {
         self == Self::Qwen3
+    }
+
+    /// The tensors (`blk.{i}.{name}.weight`) holding q, k and v, in order.
+    fn qkv_names(self) -> &'static [&'static str] {
+        match self {
+            Self::Phi3 => &["attn_qkv"],
+            _ => &["attn_q", "attn_k", "attn_v"],
+        }
+    }
+
+    /// The tensors holding the gate and up projections, in order.
+    fn gate_up_names(self) -> &'static [&'static str] {
+        match self {
+            Self::Phi3 => &["ffn_up"],
+            _ => &["ffn_gate", "ffn_up"],
+        }
     }
 }
 
@@ -144,7 +168,7 @@ impl GgufLlamaParams {
         };
         let arch = get("general.architecture")?.to_string()?;
         let Some(family) = GgufFamily::from_architecture(arch) else {
-            bail!("{OP}: GGUF architecture must be llama, qwen2 or qwen3, got {arch}");
+            bail!("{OP}: GGUF architecture must be llama, qwen2, qwen3 or phi3, got {arch}");
         };
         let (op, pre) = (family.component(), family.name());
         let get = |key: &str| match ct.metadata.get(key) {
@@ -173,7 +197,7 @@ impl GgufLlamaParams {
         let num_heads = count("attention.head_count")?;
         let hidden_size = count("embedding_length")?;
         let key_length = match family {
-            GgufFamily::Llama => None,
+            GgufFamily::Llama | GgufFamily::Phi3 => None,
             GgufFamily::Qwen2 | GgufFamily::Qwen3 => optional("attention.key_length")?,
         };
         if key_length.is_none() && !hidden_size.is_multiple_of(num_heads) {
@@ -196,7 +220,7 @@ impl GgufLlamaParams {
             },
         };
         let rope_dim = match family {
-            GgufFamily::Llama => count("rope.dimension_count")?,
+            GgufFamily::Llama | GgufFamily::Phi3 => count("rope.dimension_count")?,
             GgufFamily::Qwen2 | GgufFamily::Qwen3 => {
                 optional("rope.dimension_count")?.unwrap_or(head_dim)
             }
@@ -233,7 +257,7 @@ impl GgufLlamaParams {
             rope_bases: &[("rope.freq_base", p.rope_freq_base as f64)],
         }
         .check()?;
-        if family != GgufFamily::Llama {
+        if key_length.is_some() {
             if let Some(v) = optional("attention.value_length")? {
                 if v != head_dim {
                     bail!("{op}: GGUF {pre}.attention.value_length {v} must equal the head size {head_dim}");
@@ -348,7 +372,9 @@ impl QuantizedLlama {
     /// (kvh * d, H), attn_output (H, h * d), attn_norm (H,), ffn_gate,
     /// ffn_up (F, H), ffn_down (H, F), ffn_norm (H,)}`; `qwen2` adds
     /// `blk.{i}.attn_{q,k,v}.bias` `(h * d,)`, `(kvh * d,)`, `(kvh * d,)`,
-    /// `qwen3` `blk.{i}.attn_{q,k}_norm.weight` `(d,)`.
+    /// `qwen3` `blk.{i}.attn_{q,k}_norm.weight` `(d,)`; `phi3` has
+    /// `blk.{i}.attn_qkv` `((h + 2 * kvh) * d, H)` and `blk.{i}.ffn_up`
+    /// `(2 * F, H)` instead of the separate q/k/v and gate/up.
     pub fn from_gguf<R: Read + Seek>(
         ct: &gguf_file::Content,
         reader: &mut R,
@@ -419,10 +445,31 @@ impl QuantizedLlama {
         let output = w.output(embd_q, Some(&embd))?;
         let block_count = format!("GGUF {}.block_count", family.name());
         limits::check_gguf_layers(op, &block_count, p.num_layers, ct)?;
+        for factors in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+            if ct.tensor_infos.contains_key(factors) {
+                bail!("{op}: {factors}: LongRoPE scaling is not supported");
+            }
+        }
+        let qkv_rows = (p.num_heads + 2 * p.num_kv_heads) * head_dim;
         let mut layers = limits::layers_vec(p.num_layers);
         for i in 0..p.num_layers {
             let name = |n: &str| format!("blk.{i}.{n}.weight");
             let names = |ns: &[&str]| ns.iter().map(|n| name(n)).collect::<Vec<_>>();
+            let qkv_names = names(family.qkv_names());
+            let rows: Option<usize> = qkv_names
+                .iter()
+                .map(|n| {
+                    ct.tensor_infos
+                        .get(n)
+                        .and_then(|t| t.shape.dims().first().copied())
+                })
+                .sum();
+            if let Some(rows) = rows.filter(|&r| r != qkv_rows) {
+                bail!(
+                    "{op}: {} have {rows} rows, (attention.head_count + 2 * attention.head_count_kv) * head size is {qkv_rows}",
+                    qkv_names.join(", ")
+                );
+            }
             let qkv_bias = match family.qkv_bias() {
                 false => None,
                 true => {
@@ -453,13 +500,13 @@ impl QuantizedLlama {
             )?;
             layers.push(Layer {
                 attn_norm: norm(&mut w, &name("attn_norm"))?,
-                wqkv: w.joined(&names(&["attn_q", "attn_k", "attn_v"]))?,
+                wqkv: w.joined(&qkv_names)?,
                 qkv_bias,
                 qk_norm,
                 wo: w.matmul(&name("attn_output"))?,
                 attn,
                 ffn_norm: norm(&mut w, &name("ffn_norm"))?,
-                w_gate_up: w.joined(&names(&["ffn_gate", "ffn_up"]))?,
+                w_gate_up: w.joined(&names(family.gate_up_names()))?,
                 w_down: w.matmul(&name("ffn_down"))?,
             });
         }

@@ -91,7 +91,7 @@ pub const ARCHITECTURES: &[Architecture] = &[
     Architecture {
         name: "phi3",
         model_types: &["phi3"],
-        gguf: None,
+        gguf: Some(gguf_llama),
         safetensors: Some(safetensors_phi3),
     },
     Architecture {
@@ -108,7 +108,7 @@ pub const ARCHITECTURES: &[Architecture] = &[
     },
 ];
 
-/// The GGUF loader of `llama`, `qwen2` and `qwen3`: one decoder, the
+/// The GGUF loader of `llama`, `qwen2`, `qwen3` and `phi3`: one decoder, the
 /// family read from `general.architecture` ([`GgufFamily`]).
 ///
 /// [`GgufFamily`]: super::quantized_llama::GgufFamily
@@ -529,7 +529,7 @@ mod tests {
         let e = gguf_architecture("phi2").unwrap_err().to_string();
         assert_eq!(
             e.lines().next(),
-            Some("models::load: GGUF architecture phi2 is not supported (llama, qwen2, qwen3, gemma3)")
+            Some("models::load: GGUF architecture phi2 is not supported (llama, qwen2, qwen3, phi3, gemma3)")
         );
         let e = safetensors_architecture("phi").unwrap_err().to_string();
         assert_eq!(
