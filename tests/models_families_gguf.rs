@@ -445,8 +445,8 @@ fn each_gguf_family_loads_through_the_registry() -> Result<()> {
     Ok(())
 }
 
-/// Declared counts of the qwen2, qwen3 and phi3 files are checked, naming the key and the
-/// value, before anything is sized by them.
+/// Declared counts of the qwen2, qwen3 and phi3 files are checked, naming
+/// the key and the value, before anything is sized by them.
 #[test]
 fn hostile_family_metadata_is_refused_by_key() -> Result<()> {
     let load = |family: &Family, key: &str, value: Value| -> Result<String> {
