@@ -508,3 +508,48 @@ fn hostile_family_metadata_is_refused_by_key() -> Result<()> {
     );
     Ok(())
 }
+
+/// `phi3.attention.sliding_window` slides every layer, as Hugging Face's
+/// Phi-3 does (candle-transformers' quantized Phi-3 ignores it): a prompt
+/// longer than the window gets other logits than without it, a prompt
+/// within it the same; a zero window is refused by name.
+#[test]
+fn the_phi3_gguf_sliding_window_is_applied() -> Result<()> {
+    let plain = ours(&PHI3.gguf(41)?)?;
+    let md = tiny_checkpoint::with(
+        &PHI3.metadata(),
+        "phi3.attention.sliding_window",
+        Some(Value::U32(4)),
+    );
+    let windowed = ours(&tiny_checkpoint::gguf_bytes(&md, &PHI3.tensors(41)?)?)?;
+    ensure!(windowed
+        .attention_layers()
+        .iter()
+        .all(|a| a.options().sliding_window == Some(4)));
+    let diff = |prompt: &[u32]| -> Result<f32> {
+        let (a, b) = (our_logits(&plain, prompt)?, our_logits(&windowed, prompt)?);
+        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?)
+    };
+    ensure!(
+        diff(&[1, 2, 3, 4])? == 0.0,
+        "a prompt within the window changed"
+    );
+    ensure!(
+        diff(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10])? > 1e-4,
+        "the window changed nothing"
+    );
+    let md = tiny_checkpoint::with(
+        &PHI3.metadata(),
+        "phi3.attention.sliding_window",
+        Some(Value::U32(0)),
+    );
+    let e = match ours(&tiny_checkpoint::gguf_bytes(&md, &PHI3.tensors(41)?)?) {
+        Ok(_) => anyhow::bail!("a zero window loaded"),
+        Err(e) => e.to_string(),
+    };
+    ensure!(
+        e.starts_with("quantized-phi3: GGUF phi3.attention.sliding_window must be in 1..=u32::MAX, got U32(0)"),
+        "{e}"
+    );
+    Ok(())
+}

@@ -156,6 +156,10 @@ pub struct GgufLlamaParams {
     /// given; the model's [`max_seq_len`](PagedModel::max_seq_len), or
     /// [`DEFAULT_CONTEXT_LENGTH`] without it.
     pub context_length: Option<usize>,
+    /// The sliding window of every layer (`phi3.attention.sliding_window`,
+    /// as Hugging Face's Phi-3 applies it), if any; `None` for the other
+    /// families.
+    pub sliding_window: Option<usize>,
 }
 
 impl GgufLlamaParams {
@@ -196,6 +200,10 @@ impl GgufLlamaParams {
         };
         let num_heads = count("attention.head_count")?;
         let hidden_size = count("embedding_length")?;
+        let sliding_window = match family {
+            GgufFamily::Phi3 => optional("attention.sliding_window")?,
+            _ => None,
+        };
         let key_length = match family {
             GgufFamily::Llama | GgufFamily::Phi3 => None,
             GgufFamily::Qwen2 | GgufFamily::Qwen3 => optional("attention.key_length")?,
@@ -236,6 +244,7 @@ impl GgufLlamaParams {
             rope_freq_base,
             rms_norm_eps: rms_norm_eps as f64,
             context_length,
+            sliding_window,
         };
         // Checked before anything is sized by them (the rotary width builds
         // a frequency vector, the layer count a vector of layers).
@@ -495,6 +504,7 @@ impl QuantizedLlama {
                 AttentionOptions {
                     block_size: options.block_size,
                     kv_cache_dtype: options.kv_cache_dtype,
+                    sliding_window: p.sliding_window,
                     ..Default::default()
                 },
             )?;
