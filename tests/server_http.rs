@@ -383,7 +383,7 @@ async fn answers_match_the_offline_engine() {
         .get_ids()
         .to_vec();
     assert_eq!(chat_ids[0], 1, "the template writes BOS");
-    let want = text_of(&offline(&varmap, &[chat_ids.clone()], 16, true)[0]);
+    let want = text_of(&offline(&varmap, std::slice::from_ref(&chat_ids), 16, true)[0]);
     let body = json!({
         "messages": [{"role": "system", "content": "Be brief."},
                      {"role": "user", "content": [{"type": "text", "text": "Hi!"}]}],
@@ -733,4 +733,179 @@ async fn shutdown_fails_requests_left_after_the_deadline() {
     assert!(body.trim_end().ends_with("data: [DONE]"), "{body:?}");
     // No longer accepting.
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}
+
+/// A model whose next `failures` forward passes fail (a device error, say).
+struct Flaky {
+    inner: llama::Llama,
+    failures: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl PagedModel for Flaky {
+    fn attention_layers(&self) -> Vec<&candle_paged_attention::Attention> {
+        self.inner.attention_layers()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn max_seq_len(&self) -> usize {
+        self.inner.max_seq_len()
+    }
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn forward(
+        &self,
+        input_ids: &candle_core::Tensor,
+        metadata: &candle_paged_attention::AttentionMetadata,
+        cache: &PagedKvCache,
+        rows: &[usize],
+    ) -> candle_core::Result<candle_core::Tensor> {
+        use std::sync::atomic::Ordering;
+        let left = self.failures.load(Ordering::SeqCst);
+        if left > 0 {
+            self.failures.store(left - 1, Ordering::SeqCst);
+            candle_core::bail!("injected forward failure ({left} left)");
+        }
+        self.inner.forward(input_ids, metadata, cache, rows)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failing_steps_are_retried_then_fail_the_requests() {
+    use std::sync::atomic::Ordering;
+    let varmap = weights(4);
+    let failures = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (vm, f) = (varmap.clone(), failures.clone());
+    let server = Server::start(
+        move || {
+            let inner = model(&vm);
+            let cache = cache(&inner);
+            Ok(LoadedModel {
+                model: Box::new(Flaky { inner, failures: f }),
+                cache,
+                tokenizer: tokenizer(),
+                chat_template: None,
+                name: "flaky".into(),
+            })
+        },
+        ServeConfig {
+            step_retries: 3,
+            ..ServeConfig::default()
+        },
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(serve(listener, server, async move {
+        let _ = stopped.await;
+    }));
+    let server = Running {
+        addr,
+        stop: Some(stop),
+        task,
+        client: reqwest::Client::new(),
+    };
+    let prompt = "Retry me";
+    let want = text_of(&offline(&varmap, &[encode(prompt)], 12, false)[0]);
+    let body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+
+    // Three failures in a row are retried: the answer is the same.
+    failures.store(3, Ordering::SeqCst);
+    let (s, v) = server.post("/v1/completions", body.clone()).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+    assert_eq!(failures.load(Ordering::SeqCst), 0);
+    assert_eq!(server.metric("engine_step_failures_total").await, 3.0);
+
+    // A fourth fails the request with 500, whole or streamed.
+    failures.store(4, Ordering::SeqCst);
+    let (s, v) = server.post("/v1/completions", body.clone()).await;
+    assert_error(s, &v, 500, None, &["injected forward failure", "4 times"]);
+    assert_eq!(v["error"]["type"], "server_error");
+    failures.store(4, Ordering::SeqCst);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = server
+        .post_stream("/v1/completions", streamed.clone())
+        .await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let err: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("injected forward failure"),
+        "{events:?}"
+    );
+    server.wait_idle(Duration::from_secs(2)).await;
+
+    // The engine goes on with the next requests.
+    let (s, v) = server.post("/v1/completions", body).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+    let (text, _, _) = stream_text(&server.post_stream("/v1/completions", streamed).await);
+    assert_eq!(text, want);
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_error_ends_only_that_request() {
+    let varmap = weights(5);
+    let healthy = "Healthy prompt";
+    let healthy_ids = encode(healthy);
+    let out = offline(&varmap, std::slice::from_ref(&healthy_ids), 200, false).remove(0);
+    // A printable token neither in the healthy prompt nor in its answer:
+    // its embedding becomes NaN, so any request that feeds it gets
+    // non-finite logits.
+    let poison = (3u32..98)
+        .find(|t| !healthy_ids.contains(t) && !out.contains(t))
+        .expect("an unused token");
+    let poison_text = text_of(&[poison]);
+    {
+        let data = varmap.data().lock().unwrap();
+        let (_, emb) = data
+            .iter()
+            .find(|(k, _)| k.contains("embed_tokens"))
+            .expect("the embedding");
+        let mut rows = emb.as_tensor().to_vec2::<f32>().unwrap();
+        rows[poison as usize].iter_mut().for_each(|x| *x = f32::NAN);
+        let (r, c) = (rows.len(), rows[0].len());
+        let flat: Vec<f32> = rows.into_iter().flatten().collect();
+        emb.set(&candle_core::Tensor::from_vec(flat, (r, c), &Device::Cpu).unwrap())
+            .unwrap();
+    }
+    let server = start(&varmap, ServeConfig::default()).await;
+    let good = json!({"prompt": healthy, "max_tokens": 200, "temperature": 0, "ignore_eos": true,
+                      "stream": true});
+    let bad = json!({"prompt": format!("a{poison_text}b"), "max_tokens": 50, "temperature": 0,
+                     "ignore_eos": true});
+    let good_task = {
+        let (client, url) = (server.client.clone(), server.url("/v1/completions"));
+        tokio::spawn(async move {
+            let resp = client.post(url).json(&good).send().await.unwrap();
+            sse_data(&resp.text().await.unwrap())
+        })
+    };
+    let (s, v) = server.post("/v1/completions", bad.clone()).await;
+    assert_error(s, &v, 500, None, &["request"]);
+    let mut bad_stream = bad;
+    bad_stream["stream"] = json!(true);
+    let events = server.post_stream("/v1/completions", bad_stream).await;
+    assert!(events.iter().any(|e| e.contains("\"error\"")), "{events:?}");
+    let (text, finish, _) = stream_text(&good_task.await.unwrap());
+    assert_eq!(text, text_of(&out), "the healthy request goes on");
+    assert_eq!(finish.as_deref(), Some("length"));
+    server.wait_idle(Duration::from_secs(2)).await;
+    assert_eq!(
+        server
+            .metric("requests_finished_total{finish_reason=\"error\"}")
+            .await,
+        2.0
+    );
+    server.shutdown().await;
 }
