@@ -642,6 +642,9 @@ async fn refusals_use_openai_error_bodies() {
     let resp = raw("/v1/nothing", "{}".into()).await.unwrap();
     let (s, v) = (resp.status().as_u16(), resp.json::<Value>().await.unwrap());
     assert_error(s, &v, 404, None, &["/v1/nothing"]);
+    let resp = server.client.get(server.url(c)).send().await.unwrap();
+    let (s, v) = (resp.status().as_u16(), resp.json::<Value>().await.unwrap());
+    assert_error(s, &v, 405, None, &["GET"]);
     let big = json!({"prompt": "y".repeat(100 << 10)}).to_string();
     let resp = raw(c, big).await.unwrap();
     let (s, v) = (resp.status().as_u16(), resp.json::<Value>().await.unwrap());
@@ -672,7 +675,7 @@ async fn refusals_use_openai_error_bodies() {
         .unwrap();
     assert_eq!(second.status().as_u16(), 200, "the second request waits");
     let (s, v) = post(json!({"prompt": "hi", "max_tokens": 2})).await;
-    assert_error(s, &v, 429, None, &["busy", "1 requests are waiting"]);
+    assert_error(s, &v, 429, None, &["busy", "1 of 1"]);
     assert_eq!(v["error"]["type"], "rate_limit_error");
     assert_eq!(
         server

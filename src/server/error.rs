@@ -20,7 +20,7 @@ impl ApiError {
     /// An error with `status`; the body's `type` follows the status.
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
         let kind = match status.as_u16() {
-            400 | 413 | 415 | 422 => "invalid_request_error",
+            400 | 405 | 413 | 415 | 422 => "invalid_request_error",
             401 => "authentication_error",
             404 => "not_found_error",
             429 => "rate_limit_error",

@@ -74,6 +74,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
 }
@@ -86,6 +87,14 @@ fn now_secs() -> u64 {
 
 async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, format!("no route for {uri}")).code("not_found")
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{uri} does not take {method} requests"),
+    )
+    .code("method_not_allowed")
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
@@ -562,7 +571,7 @@ async fn answer(state: Arc<AppState>, job: Result<Job, ApiError>) -> Response {
                 SubmitError::QueueFull(n) => ApiError::new(
                     StatusCode::TOO_MANY_REQUESTS,
                     format!(
-                        "{}: the server is busy: {n} requests are waiting already; retry later",
+                        "{}: the server is busy: the queue of waiting requests is full ({n} of {n}); retry later",
                         job.endpoint
                     ),
                 )

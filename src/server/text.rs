@@ -1,5 +1,13 @@
-//! Per-request text: incremental detokenisation ([`TextStream`]) and stop
-//! strings, which may span token boundaries.
+//! Per-request text: incremental detokenisation and stop strings, which
+//! may span token boundaries.
+//!
+//! Tokens are decoded in a window ([`IncrementalDecoder`]): each new token's
+//! text is the decoding of the tokens from the last complete point on,
+//! less the decoding of those before it, so that the cost per token does
+//! not grow with the answer (decoding every token from the start, as
+//! [`TextStream`](crate::models::tokenizer::TextStream) does, grows as the
+//! square of the answer's length), while leading-space rules of the
+//! decoder apply as they do to the whole text.
 //!
 //! Text that could be the start of a stop string is held back until the
 //! next tokens show whether it is; when a stop string appears, the text
@@ -8,7 +16,57 @@
 use candle_core::Result;
 use tokenizers::Tokenizer;
 
-use crate::models::tokenizer::TextStream;
+use crate::models::tokenizer::decode;
+
+/// Windowed incremental decoding: feeds tokens one by one and yields the
+/// text that became final. A token that ends inside a UTF-8 character
+/// (byte-level BPE) yields nothing until the character is complete;
+/// [`finish`](Self::finish) gives what is left (an incomplete character as
+/// U+FFFD, as [`decode`] gives it).
+#[derive(Debug, Default)]
+pub struct IncrementalDecoder {
+    tokens: Vec<u32>,
+    /// Where the window starts: the tokens before it are not decoded again.
+    prefix: usize,
+    /// The tokens whose text has been handed out.
+    read: usize,
+}
+
+impl IncrementalDecoder {
+    /// An empty decoder.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `token`; returns its text once complete.
+    pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<Option<String>> {
+        self.tokens.push(token);
+        self.take(tokenizer, false)
+    }
+
+    /// The text not handed out yet, if any.
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<String>> {
+        self.take(tokenizer, true)
+    }
+
+    fn take(&mut self, tokenizer: &Tokenizer, last: bool) -> Result<Option<String>> {
+        let before = decode(tokenizer, &self.tokens[self.prefix..self.read])?;
+        let all = decode(tokenizer, &self.tokens[self.prefix..])?;
+        if !last && all.ends_with('\u{fffd}') {
+            return Ok(None);
+        }
+        // The window's text extends the text before it; a decoder that
+        // rewrites text across tokens may break that, and the text past
+        // the length of the earlier text is taken then.
+        let new = match all.strip_prefix(before.as_str()) {
+            Some(new) => new.to_string(),
+            None => all.get(before.len()..).unwrap_or_default().to_string(),
+        };
+        self.prefix = self.read;
+        self.read = self.tokens.len();
+        Ok((!new.is_empty()).then_some(new))
+    }
+}
 
 /// What a token added to the answer.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -22,7 +80,7 @@ pub struct TextDelta {
 /// The text of one request's tokens, cut at its first stop string.
 #[derive(Debug, Default)]
 pub struct Detokenizer {
-    stream: TextStream,
+    stream: IncrementalDecoder,
     stops: Vec<String>,
     /// Decoded text not handed out yet (a possible start of a stop string).
     held: String,
@@ -56,7 +114,7 @@ impl Detokenizer {
         Ok(self.release())
     }
 
-    /// Appends text directly (what [`TextStream::finish`] gives, say).
+    /// Appends text directly (what [`IncrementalDecoder::finish`] gives).
     fn push_text(&mut self, text: &str) -> TextDelta {
         if self.stopped {
             return TextDelta::default();
