@@ -538,11 +538,32 @@ fn job(
     })
 }
 
+/// Reads the body and builds the job on a blocking thread (rendering the
+/// chat template and tokenising a long prompt take a while), so that no
+/// request stalls the others.
+async fn prepare(
+    state: &Arc<AppState>,
+    endpoint: &'static str,
+    body: Result<Bytes, BytesRejection>,
+    build: fn(&AppState, Value) -> Result<Job, ApiError>,
+) -> Result<Job, ApiError> {
+    let value = read_json(endpoint, body)?;
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || build(&state, value))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("{endpoint}: preparing the request: {e}"),
+            ))
+        })
+}
+
 async fn chat_completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let job = read_json(CHAT, body).and_then(|v| chat_job(&state, v));
+    let job = prepare(&state, CHAT, body, chat_job).await;
     answer(state, job).await
 }
 
@@ -550,7 +571,7 @@ async fn completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let job = read_json(COMPLETIONS, body).and_then(|v| completion_job(&state, v));
+    let job = prepare(&state, COMPLETIONS, body, completion_job).await;
     answer(state, job).await
 }
 
