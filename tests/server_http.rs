@@ -20,7 +20,10 @@ use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
 const EOS: u32 = 2;
-const CONTEXT: usize = 4096;
+/// Long enough that an answer of `LONG` tokens takes seconds, so that
+/// clients can go away in the middle of it.
+const CONTEXT: usize = 16384;
+const LONG: usize = 16000;
 const NUM_BLOCKS: usize = 1024;
 const TEMPLATE: &str = "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
 
@@ -466,7 +469,7 @@ async fn concurrent_streams_get_their_own_tokens() {
 async fn disconnected_clients_free_their_blocks() {
     let varmap = weights(3);
     let server = start(&varmap, ServeConfig::default()).await;
-    let long = json!({"prompt": "Tell me everything.", "max_tokens": 4000, "temperature": 0,
+    let long = json!({"prompt": "Tell me everything.", "max_tokens": LONG, "temperature": 0,
                       "ignore_eos": true, "stream": true});
     // Streaming: read the first chunks, then drop the connection.
     let mut resp = server
@@ -587,13 +590,14 @@ async fn refusals_use_openai_error_bodies() {
     assert_error(s, &v, 400, Some("frequency_penalty"), &["0.5"]);
     let (s, v) = post(json!({"prompt": "hi", "temperature": "hot"})).await;
     assert_error(s, &v, 400, Some("temperature"), &["temperature"]);
-    let (s, v) = post(json!({"prompt": "hi", "max_tokens": 5000})).await;
+    let (s, v) = post(json!({"prompt": "hi", "max_tokens": CONTEXT + 1})).await;
+    let (over, ctx) = ((CONTEXT + 1).to_string(), CONTEXT.to_string());
     assert_error(
         s,
         &v,
         400,
         Some("max_tokens"),
-        &["5000", "4096", "3 prompt tokens"],
+        &[&over, &ctx, "3 prompt tokens"],
     );
     let (s, v) = post(json!({"prompt": [1, 5, 9999]})).await;
     assert_error(
@@ -604,7 +608,7 @@ async fn refusals_use_openai_error_bodies() {
         &["prompt[2]", "9999", &vocab().len().to_string()],
     );
     let (s, v) = post(json!({"prompt": "x".repeat(CONTEXT)})).await;
-    assert_error(s, &v, 400, Some("prompt"), &["4097", "4096"]);
+    assert_error(s, &v, 400, Some("prompt"), &[&over, &ctx]);
     let (s, v) = post(json!({"prompt": ["a", "b"]})).await;
     assert_error(s, &v, 400, Some("prompt"), &["2 prompts"]);
     let (s, v) = post(json!({"prompt": "hi", "model": "gpt-4"})).await;
@@ -651,7 +655,7 @@ async fn refusals_use_openai_error_bodies() {
     assert_error(s, &v, 413, None, &["limit"]);
 
     // 429: one request runs, one waits, the third is refused.
-    let long = json!({"prompt": "Go on.", "max_tokens": 3000, "temperature": 0,
+    let long = json!({"prompt": "Go on.", "max_tokens": LONG / 2, "temperature": 0,
                       "ignore_eos": true, "stream": true});
     let mut first = server
         .client
@@ -700,7 +704,7 @@ async fn shutdown_fails_requests_left_after_the_deadline() {
         ..ServeConfig::default()
     };
     let server = start(&varmap, config).await;
-    let long = json!({"prompt": "Go on.", "max_tokens": 4000, "temperature": 0,
+    let long = json!({"prompt": "Go on.", "max_tokens": LONG, "temperature": 0,
                       "ignore_eos": true, "stream": true});
     let mut resp = server
         .client
