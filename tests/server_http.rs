@@ -611,6 +611,10 @@ async fn refusals_use_openai_error_bodies() {
     assert_error(s, &v, 400, Some("prompt"), &[&over, &ctx]);
     let (s, v) = post(json!({"prompt": ["a", "b"]})).await;
     assert_error(s, &v, 400, Some("prompt"), &["2 prompts"]);
+    let (s, v) = post(json!({"prompt": "hi", "stop": vec!["s"; 17]})).await;
+    assert_error(s, &v, 400, Some("stop"), &["17 stop strings", "16"]);
+    let (s, v) = post(json!({"prompt": "hi", "stop": ["ok", "x".repeat(300)]})).await;
+    assert_error(s, &v, 400, Some("stop"), &["stop string 1", "300 bytes"]);
     let (s, v) = post(json!({"prompt": "hi", "model": "gpt-4"})).await;
     assert_error(s, &v, 404, Some("model"), &["gpt-4", "tiny-llama"]);
     let (s, v) = server

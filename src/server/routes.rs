@@ -36,6 +36,11 @@ use crate::models::tokenizer::ModelTokenizer;
 
 const CHAT: &str = "/v1/chat/completions";
 const COMPLETIONS: &str = "/v1/completions";
+/// Stop strings a request may give at most (each token's text is searched
+/// for all of them).
+pub const MAX_STOPS: usize = 16;
+/// Bytes of one stop string at most.
+pub const MAX_STOP_BYTES: usize = 256;
 
 /// What the handlers share.
 #[derive(Debug)]
@@ -523,12 +528,35 @@ fn job(
     max_tokens: Option<(u64, &str)>,
 ) -> Result<Job, ApiError> {
     let params = sampling_params(state, endpoint, f, max_tokens, prompt.len())?;
+    let stops = f.stop.as_ref().map(Stop::strings).unwrap_or_default();
+    if stops.len() > MAX_STOPS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "{endpoint}: {} stop strings, more than the {MAX_STOPS} allowed",
+                stops.len()
+            ),
+        ));
+    }
+    if let Some((k, long)) = stops
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.len() > MAX_STOP_BYTES)
+    {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "{endpoint}: stop string {k} has {} bytes, more than the {MAX_STOP_BYTES} allowed",
+                long.len()
+            ),
+        ));
+    }
     Ok(Job {
         endpoint,
         chat,
         prompt,
         params,
-        stops: f.stop.as_ref().map(Stop::strings).unwrap_or_default(),
+        stops,
         stream: f.stream.unwrap_or(false),
         include_usage: f
             .stream_options
