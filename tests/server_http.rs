@@ -920,3 +920,39 @@ async fn a_request_error_ends_only_that_request() {
     );
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_lets_running_requests_finish() {
+    let varmap = weights(6);
+    let server = start(&varmap, ServeConfig::default()).await;
+    let prompt = "Finish me";
+    let want = text_of(&offline(&varmap, &[encode(prompt)], 3000, false)[0]);
+    let body = json!({"prompt": prompt, "max_tokens": 3000, "temperature": 0, "ignore_eos": true,
+                      "stream": true});
+    let mut resp = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let mut raw =
+        String::from_utf8_lossy(&resp.chunk().await.unwrap().expect("a chunk")).to_string();
+    let reader = tokio::spawn(async move {
+        while let Ok(Some(chunk)) = resp.chunk().await {
+            raw.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        raw
+    });
+    assert_eq!(
+        server.metric("num_requests_running").await,
+        1.0,
+        "running at shutdown"
+    );
+    let addr = server.addr;
+    server.shutdown().await;
+    let (text, finish, _) = stream_text(&sse_data(&reader.await.unwrap()));
+    assert_eq!(text, want, "the running request ends normally");
+    assert_eq!(finish.as_deref(), Some("length"));
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}

@@ -1,7 +1,7 @@
 //! The engine thread: one OS thread owns the model, its KV cache and the
 //! [`Engine`]; HTTP handlers talk to it through channels.
 //!
-//! Handlers send [`Command`]s (submit a request with the sender of its
+//! Handlers send commands (submit a request with the sender of its
 //! events, abort one, abort all, shut down) over a standard channel; the
 //! thread drains them between steps, runs [`Engine::step`], routes each
 //! token to its request's channel and, after the step, sends each finished
