@@ -173,3 +173,56 @@ fn params_is_a_leaf_below_ops_and_the_backends() {
     ];
     assert_eq!(violations("params", &above), Vec::<String>::new());
 }
+
+#[test]
+fn checkpoint_limits_are_a_leaf() {
+    // `models::limits` checks what a checkpoint declares before any loader
+    // acts on it: it imports nothing else of the crate. Paths inside it
+    // resolve to `models` here, so the rest of `models` is checked on the
+    // text: no `super::super`, no `crate::models`.
+    let others = [
+        "attention",
+        "batch",
+        "cache",
+        "cpu",
+        "cuda",
+        "metadata",
+        "ops",
+        "params",
+        "reference",
+        "remap",
+    ];
+    assert_eq!(violations("models/limits", &others), Vec::<String>::new());
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/models/limits");
+    let mut files = Vec::new();
+    rust_files(&dir, &mut files);
+    assert!(!files.is_empty());
+    for f in files {
+        let text = strip_comments(&std::fs::read_to_string(&f).expect("readable source file"));
+        assert!(
+            !text.contains("super::super") && !text.contains("crate::models"),
+            "{} imports the rest of models",
+            f.display()
+        );
+    }
+}
+
+#[test]
+fn only_the_module_root_and_the_examples_sit_above_the_registry() {
+    // The registry maps architectures to the models' loaders: the models sit
+    // below it and never name it (the module root re-exports `load`).
+    let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/models");
+    let mut files = Vec::new();
+    rust_files(&models, &mut files);
+    let mut bad: Vec<String> = files
+        .iter()
+        .filter(|f| !f.ends_with("registry.rs") && !f.ends_with("models/mod.rs"))
+        .filter(|f| {
+            let text = std::fs::read_to_string(f).expect("readable source file");
+            strip_comments(&text).contains("registry::")
+        })
+        .map(|f| f.display().to_string())
+        .collect();
+    bad.sort();
+    assert_eq!(bad, Vec::<String>::new());
+}

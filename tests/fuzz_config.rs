@@ -1,7 +1,7 @@
 //! Fuzz target: `config.json`.
 //!
-//! Starting from the `config.json` of a tiny Llama, Gemma 2 or Gemma 3
-//! (with weights that match the unedited config), each case sets fields to
+//! Starting from the `config.json` of a tiny Llama, Gemma 2, Gemma 3,
+//! Qwen2, Qwen3, Mistral or Phi-3 (with weights that match the unedited config), each case sets fields to
 //! boundary values (0, 1, huge and negative numbers, floats, strings,
 //! nulls, arrays, objects), removes fields, or edits bytes of the text. The
 //! config is then parsed and the model loaded over the weights and run on
@@ -64,16 +64,24 @@ const KEYS: &[&str] = &[
     "attention_bias",
     "bos_token_id",
     "eos_token_id",
+    "use_sliding_window",
+    "max_window_layers",
+    "partial_rotary_factor",
+    "original_max_position_embeddings",
 ];
 
-/// The three tiny configs and their weights.
-fn bases() -> &'static [(String, HashMap<String, Tensor>); 3] {
-    static BASES: OnceLock<[(String, HashMap<String, Tensor>); 3]> = OnceLock::new();
+/// The tiny configs (one per family) and their weights.
+fn bases() -> &'static [(String, HashMap<String, Tensor>); 7] {
+    static BASES: OnceLock<[(String, HashMap<String, Tensor>); 7]> = OnceLock::new();
     BASES.get_or_init(|| {
         [
             llama_config_json(),
             gemma2_config_json(),
             gemma3_config_json(),
+            qwen2_config_json(),
+            qwen3_config_json(),
+            mistral_config_json(),
+            phi3_config_json(),
         ]
         .map(|c| {
             let w = weights_for(&c).expect("weights");
@@ -104,6 +112,13 @@ fn hostile_json() -> impl Strategy<Value = Value> {
         Just(serde_json::json!("llama")),
         Just(serde_json::json!("gemma2")),
         Just(serde_json::json!("gemma3_text")),
+        Just(serde_json::json!("qwen2")),
+        Just(serde_json::json!("qwen3")),
+        Just(serde_json::json!("mistral")),
+        Just(serde_json::json!("phi3")),
+        Just(
+            serde_json::json!({"type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]})
+        ),
         Just(serde_json::json!("gelu_pytorch_tanh")),
         Just(serde_json::json!("sliding_attention")),
         Just(serde_json::json!("")),
@@ -177,7 +192,7 @@ fn mutate(base: &str, edits: &[Edit]) -> String {
 fn configs_load_or_fail_cleanly_within_bounds() {
     let loaded = AtomicUsize::new(0);
     let mut runner = TestRunner::new(fuzz_config(CASES));
-    let cases = (0usize..3, prop::collection::vec(edit(), 1..5));
+    let cases = (0usize..7, prop::collection::vec(edit(), 1..5));
     let result = runner.run(&cases, |(base, edits)| {
         let (config, weights) = &bases()[base];
         let config = mutate(config, &edits);

@@ -17,7 +17,8 @@
 //! * [`mistral`], [`qwen2`], [`qwen3`], [`phi3`] - Mistral (sliding
 //!   window), Qwen2/2.5 (q/k/v biases), Qwen3 (q/k norms) and Phi-3 (joined
 //!   projections, partial and long rope) from safetensors, on the stack.
-//! * [`quantized_llama::QuantizedLlama`] - Llama from a GGUF file (`QMatMul`).
+//! * [`quantized_llama::QuantizedLlama`] - Llama, Qwen2, Qwen3 and Phi-3
+//!   from a GGUF file (`QMatMul`).
 //! * [`quantized_gemma3::QuantizedGemma3`] - Gemma 3 from a GGUF file
 //!   (`QMatMul`), with Hugging Face's sliding window and activation.
 //! * [`gemma2::Gemma2`], [`gemma3::Gemma3`] - softcapping, alternating

@@ -1,9 +1,18 @@
-//! Paged Llama from a GGUF file, with quantized weights (`QMatMul`).
+//! Paged Llama from a GGUF file, with quantized weights (`QMatMul`), and
+//! the llama.cpp architectures of the same decoder ([`GgufFamily`]).
 //!
 //! candle-transformers 0.11.1's `quantized_llama` (dense, `llama`
 //! architecture) with the paged cache. GGUF Llama checkpoints store q and k
 //! permuted for interleaved rotary embeddings, so the rotation pairs
 //! `(2i, 2i + 1)` as candle-transformers does for this architecture.
+//!
+//! The same model reads llama.cpp's `qwen2` (q/k/v biases), `qwen3`
+//! (per-head RMS norms of q and k before the rotation, head size
+//! `qwen3.attention.key_length`) and `phi3` (q/k/v stored as one
+//! `attn_qkv`, gate/up as one `ffn_up`), as candle-transformers'
+//! `quantized_qwen2`, `quantized_qwen3` and `quantized_phi3` do: their keys
+//! under the architecture's prefix, q and k stored unpermuted, so the
+//! rotation pairs `(i, i + d / 2)` (NEOX).
 //!
 //! The q/k/v weights are joined into one `QMatMul` at load time, and so are
 //! gate/up: their rows are concatenated as stored when they share a GGML
@@ -34,13 +43,96 @@ use crate::GatedActivation;
 
 const OP: &str = "quantized-llama";
 
+/// A GGUF architecture (`general.architecture`) of the Llama decoder: what
+/// sets it apart from `llama`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgufFamily {
+    /// `llama`: interleaved rotary, no biases.
+    Llama,
+    /// `qwen2`: `blk.{i}.attn_{q,k,v}.bias`, NEOX rotary.
+    Qwen2,
+    /// `qwen3`: `blk.{i}.attn_{q,k}_norm` `(head_dim,)` on each head of q
+    /// and k before the rotation, NEOX rotary, head size
+    /// `qwen3.attention.key_length`.
+    Qwen3,
+    /// `phi3`: `blk.{i}.attn_qkv` `((h + 2 * kvh) * d, H)` and
+    /// `blk.{i}.ffn_up` `(2 * F, H)` (gate rows first), NEOX rotary; no
+    /// LongRoPE factors (`rope_factors_long`/`rope_factors_short` are
+    /// refused), no sliding window (as candle-transformers).
+    Phi3,
+}
+
+impl GgufFamily {
+    /// Every family, in the order of [`name`](Self::name)s in messages.
+    pub const ALL: [GgufFamily; 4] = [Self::Llama, Self::Qwen2, Self::Qwen3, Self::Phi3];
+
+    /// The family of GGUF architecture `name`, if it is one.
+    pub fn from_architecture(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.name() == name)
+    }
+
+    /// The architecture's name: `general.architecture` and the prefix of
+    /// its metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Phi3 => "phi3",
+        }
+    }
+
+    /// The model named in error messages.
+    fn component(self) -> &'static str {
+        match self {
+            Self::Llama => OP,
+            Self::Qwen2 => "quantized-qwen2",
+            Self::Qwen3 => "quantized-qwen3",
+            Self::Phi3 => "quantized-phi3",
+        }
+    }
+
+    /// Whether the rotation pairs `(2i, 2i + 1)` (q and k permuted by the
+    /// converter) rather than `(i, i + d / 2)`.
+    fn interleaved_rotary(self) -> bool {
+        self == Self::Llama
+    }
+
+    fn qkv_bias(self) -> bool {
+        self == Self::Qwen2
+    }
+
+    fn qk_norm(self) -> bool {
+        self == Self::Qwen3
+    }
+
+    /// The tensors (`blk.{i}.{name}.weight`) holding q, k and v, in order.
+    fn qkv_names(self) -> &'static [&'static str] {
+        match self {
+            Self::Phi3 => &["attn_qkv"],
+            _ => &["attn_q", "attn_k", "attn_v"],
+        }
+    }
+
+    /// The tensors holding the gate and up projections, in order.
+    fn gate_up_names(self) -> &'static [&'static str] {
+        match self {
+            Self::Phi3 => &["ffn_up"],
+            _ => &["ffn_gate", "ffn_up"],
+        }
+    }
+}
+
 /// The context length of a GGUF without `llama.context_length`: the
 /// rotary table length of candle-transformers' `quantized_llama`.
 pub const DEFAULT_CONTEXT_LENGTH: usize = 4096;
 
-/// The hyper-parameters read from the GGUF metadata (`llama.*` keys).
+/// The hyper-parameters read from the GGUF metadata (`llama.*` keys, or
+/// those of the [`family`](Self::family)'s prefix).
 #[derive(Clone, Debug, PartialEq)]
 pub struct GgufLlamaParams {
+    /// The architecture (`general.architecture`).
+    pub family: GgufFamily,
     /// Decoder layers (`llama.block_count`).
     pub num_layers: usize,
     /// Query heads.
@@ -49,7 +141,12 @@ pub struct GgufLlamaParams {
     pub num_kv_heads: usize,
     /// Model width (`llama.embedding_length`).
     pub hidden_size: usize,
-    /// Rotary dimensions (`llama.rope.dimension_count`).
+    /// Elements per head when given apart from the width
+    /// (`attention.key_length`, read for `qwen2` and `qwen3`); `None` is
+    /// `hidden_size / num_heads`.
+    pub key_length: Option<usize>,
+    /// Rotary dimensions (`llama.rope.dimension_count`; for `qwen2` and
+    /// `qwen3`, the head size when absent).
     pub rope_dim: usize,
     /// Rotary base (`llama.rope.freq_base`, default 10000).
     pub rope_freq_base: f32,
@@ -62,74 +159,97 @@ pub struct GgufLlamaParams {
 }
 
 impl GgufLlamaParams {
-    /// Reads the parameters; fails naming the missing key or a
-    /// non-`llama` architecture.
+    /// Reads the parameters; fails naming the missing key or an
+    /// architecture other than a [`GgufFamily`].
     pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self> {
         let get = |key: &str| match ct.metadata.get(key) {
             Some(v) => Ok(v),
             None => bail!("{OP}: GGUF metadata has no {key}"),
         };
         let arch = get("general.architecture")?.to_string()?;
-        if arch != "llama" {
-            bail!("{OP}: GGUF architecture must be llama, got {arch}");
-        }
-        let experts = get("llama.expert_count")
+        let Some(family) = GgufFamily::from_architecture(arch) else {
+            bail!("{OP}: GGUF architecture must be llama, qwen2, qwen3 or phi3, got {arch}");
+        };
+        let (op, pre) = (family.component(), family.name());
+        let get = |key: &str| match ct.metadata.get(key) {
+            Some(v) => Ok(v),
+            None => bail!("{op}: GGUF metadata has no {key}"),
+        };
+        let experts = get(&format!("{pre}.expert_count"))
             .and_then(|v| v.to_u32())
             .unwrap_or(0);
         if experts > 1 {
-            bail!("{OP}: mixture-of-experts GGUF models are not supported ({experts} experts)");
+            bail!("{op}: mixture-of-experts GGUF models are not supported ({experts} experts)");
         }
-        let count = |key: &str| -> Result<usize> {
-            let v = get(&format!("llama.{key}"))?;
+        let value = |key: &str, v: &gguf_file::Value| -> Result<usize> {
             match v.to_u64().ok().and_then(|n| usize::try_from(n).ok()) {
                 Some(n) if n > 0 && n <= u32::MAX as usize => Ok(n),
-                _ => bail!("{OP}: GGUF llama.{key} must be in 1..=u32::MAX, got {v:?}"),
+                _ => bail!("{op}: GGUF {pre}.{key} must be in 1..=u32::MAX, got {v:?}"),
+            }
+        };
+        let count = |key: &str| -> Result<usize> { value(key, get(&format!("{pre}.{key}"))?) };
+        let optional = |key: &str| -> Result<Option<usize>> {
+            match ct.metadata.get(&format!("{pre}.{key}")) {
+                None => Ok(None),
+                Some(v) => value(key, v).map(Some),
             }
         };
         let num_heads = count("attention.head_count")?;
         let hidden_size = count("embedding_length")?;
-        if !hidden_size.is_multiple_of(num_heads) {
+        let key_length = match family {
+            GgufFamily::Llama | GgufFamily::Phi3 => None,
+            GgufFamily::Qwen2 | GgufFamily::Qwen3 => optional("attention.key_length")?,
+        };
+        if key_length.is_none() && !hidden_size.is_multiple_of(num_heads) {
             bail!(
-                "{OP}: embedding_length {hidden_size} is not a multiple of head_count {num_heads}"
+                "{op}: embedding_length {hidden_size} is not a multiple of head_count {num_heads}"
             );
         }
-        let context_length = match ct.metadata.get("llama.context_length") {
-            None => None,
-            Some(v) => match v.to_u64().ok().and_then(|n| usize::try_from(n).ok()) {
-                Some(n) if n > 0 && n <= u32::MAX as usize => Some(n),
-                _ => bail!("{OP}: GGUF llama.context_length must be in 1..=u32::MAX, got {v:?}"),
-            },
-        };
-        let eps = get("llama.attention.layer_norm_rms_epsilon")?;
+        let head_dim = key_length.unwrap_or(hidden_size / num_heads);
+        let context_length = optional("context_length")?;
+        let eps_key = format!("{pre}.attention.layer_norm_rms_epsilon");
+        let eps = get(&eps_key)?;
         let Ok(rms_norm_eps) = eps.to_f32() else {
-            bail!("{OP}: GGUF llama.attention.layer_norm_rms_epsilon must be an f32, got {eps:?}");
+            bail!("{op}: GGUF {eps_key} must be an f32, got {eps:?}");
         };
-        let rope_freq_base = match ct.metadata.get("llama.rope.freq_base") {
+        let rope_freq_base = match ct.metadata.get(&format!("{pre}.rope.freq_base")) {
             None => 10000.,
             Some(v) => match v.to_f32() {
                 Ok(f) => f,
-                Err(_) => bail!("{OP}: GGUF llama.rope.freq_base must be an f32, got {v:?}"),
+                Err(_) => bail!("{op}: GGUF {pre}.rope.freq_base must be an f32, got {v:?}"),
             },
         };
+        let rope_dim = match family {
+            GgufFamily::Llama | GgufFamily::Phi3 => count("rope.dimension_count")?,
+            GgufFamily::Qwen2 | GgufFamily::Qwen3 => {
+                optional("rope.dimension_count")?.unwrap_or(head_dim)
+            }
+        };
         let p = Self {
+            family,
             num_layers: count("block_count")?,
             num_heads,
             num_kv_heads: count("attention.head_count_kv")?,
             hidden_size,
-            rope_dim: count("rope.dimension_count")?,
+            key_length,
+            rope_dim,
             rope_freq_base,
             rms_norm_eps: rms_norm_eps as f64,
             context_length,
         };
         // Checked before anything is sized by them (the rotary width builds
         // a frequency vector, the layer count a vector of layers).
+        let source = format!("GGUF {pre}.");
         DecoderShape {
-            component: OP,
-            source: "GGUF llama.",
+            component: op,
+            source: &source,
             hidden_size: ("embedding_length", p.hidden_size),
             num_heads: ("attention.head_count", p.num_heads),
             num_kv_heads: ("attention.head_count_kv", p.num_kv_heads),
-            head_dim: ("embedding_length / attention.head_count", p.head_dim()),
+            head_dim: match key_length {
+                Some(_) => ("attention.key_length", head_dim),
+                None => ("embedding_length / attention.head_count", head_dim),
+            },
             num_layers: ("block_count", p.num_layers),
             max_layers: None,
             rope_dim: ("rope.dimension_count", p.rope_dim),
@@ -137,12 +257,20 @@ impl GgufLlamaParams {
             rope_bases: &[("rope.freq_base", p.rope_freq_base as f64)],
         }
         .check()?;
+        if key_length.is_some() {
+            if let Some(v) = optional("attention.value_length")? {
+                if v != head_dim {
+                    bail!("{op}: GGUF {pre}.attention.value_length {v} must equal the head size {head_dim}");
+                }
+            }
+        }
         Ok(p)
     }
 
-    /// Elements per head.
+    /// Elements per head: [`key_length`](Self::key_length), or
+    /// `hidden_size / num_heads`.
     pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_heads
+        self.key_length.unwrap_or(self.hidden_size / self.num_heads)
     }
 }
 
@@ -151,6 +279,11 @@ struct Layer {
     attn_norm: FusedRmsNorm,
     /// `attn_q`, `attn_k`, `attn_v`.
     wqkv: QProjections,
+    /// `attn_q`, `attn_k`, `attn_v` biases joined, `((h + 2 * kvh) * d,)`
+    /// in the activation dtype (`qwen2`).
+    qkv_bias: Option<Tensor>,
+    /// `attn_q_norm`, `attn_k_norm` over each head's `d` elements (`qwen3`).
+    qk_norm: Option<(FusedRmsNorm, FusedRmsNorm)>,
     wo: QMatMul,
     attn: Attention,
     ffn_norm: FusedRmsNorm,
@@ -160,6 +293,7 @@ struct Layer {
 }
 
 impl Layer {
+    /// `x` `(n, H)` (normed, in the activation dtype) -> `(n, H)`.
     fn attention(
         &self,
         x: &Tensor,
@@ -167,10 +301,34 @@ impl Layer {
         cache: &LayerKvCache,
         metadata: &AttentionMetadata,
     ) -> Result<Tensor> {
-        let qkv = self.wqkv.forward_joined(x)?;
-        let y = self
-            .attn
-            .forward_rotary_qkv(&qkv, rotary.rows(), cache, metadata)?;
+        let mut qkv = self.wqkv.forward_joined(x)?;
+        if let Some(bias) = &self.qkv_bias {
+            qkv = qkv.to_dtype(bias.dtype())?.broadcast_add(bias)?;
+        }
+        let y = match &self.qk_norm {
+            None => self
+                .attn
+                .forward_rotary_qkv(&qkv, rotary.rows(), cache, metadata)?,
+            Some((q_norm, k_norm)) => {
+                let (h, kvh, d) = (
+                    self.attn.num_heads(),
+                    self.attn.num_kv_heads(),
+                    self.attn.head_size(),
+                );
+                let n = qkv.dim(0)?;
+                // Quantized matmuls of more than 8 rows return f32: the
+                // norms and the attention take the activation dtype.
+                let qkv = qkv.to_dtype(x.dtype())?;
+                let per_head = |norm: &FusedRmsNorm, start: usize, heads: usize| {
+                    let t = qkv.narrow(1, start, heads * d)?.reshape((n * heads, d))?;
+                    rotary.apply(&norm.forward(&t)?.reshape((n, heads * d))?, heads)
+                };
+                let q = per_head(q_norm, 0, h)?;
+                let k = per_head(k_norm, h * d, kvh)?;
+                let v = qkv.narrow(1, (h + kvh) * d, kvh * d)?;
+                self.attn.forward(&q, &k, &v, cache, metadata)?
+            }
+        };
         // Quantized matmuls of more than 8 rows return f32 whatever their
         // input; the residual add takes either.
         self.wo.forward(&y)
@@ -185,10 +343,13 @@ impl Layer {
     }
 }
 
-/// A paged Llama with GGUF (quantized) weights; activations are f32, or
-/// bf16/f16 on CUDA ([`QuantizedLlama::from_gguf_with_dtype`]).
+/// A paged Llama (or another [`GgufFamily`]) with GGUF (quantized)
+/// weights; activations are f32, or bf16/f16 on CUDA
+/// ([`QuantizedLlama::from_gguf_with_dtype`]).
 #[derive(Clone, Debug)]
 pub struct QuantizedLlama {
+    /// The model named in error messages.
+    component: &'static str,
     dtype: DType,
     tok_embeddings: Embedding,
     layers: Vec<Layer>,
@@ -201,11 +362,19 @@ pub struct QuantizedLlama {
 }
 
 impl QuantizedLlama {
-    /// Loads the model from GGUF content `ct` read from `reader`.
+    /// Loads the model from GGUF content `ct` read from `reader`; its
+    /// `general.architecture` picks the [`GgufFamily`].
     ///
-    /// Tensors: `token_embd`, `output_norm`, `output` (the embeddings when
-    /// absent), and per layer `blk.{i}.{attn_q, attn_k, attn_v, attn_output,
-    /// attn_norm, ffn_gate, ffn_up, ffn_down, ffn_norm}`.
+    /// Tensors (`H` the width, `h`/`kvh` the query/KV heads of `d`
+    /// elements, `F` the MLP width): `token_embd` `(vocab, H)`,
+    /// `output_norm` `(H,)`, `output` `(vocab, H)` (the embeddings when
+    /// absent), and per layer `blk.{i}.{attn_q (h * d, H), attn_k, attn_v
+    /// (kvh * d, H), attn_output (H, h * d), attn_norm (H,), ffn_gate,
+    /// ffn_up (F, H), ffn_down (H, F), ffn_norm (H,)}`; `qwen2` adds
+    /// `blk.{i}.attn_{q,k,v}.bias` `(h * d,)`, `(kvh * d,)`, `(kvh * d,)`,
+    /// `qwen3` `blk.{i}.attn_{q,k}_norm.weight` `(d,)`; `phi3` has
+    /// `blk.{i}.attn_qkv` `((h + 2 * kvh) * d, H)` and `blk.{i}.ffn_up`
+    /// `(2 * F, H)` instead of the separate q/k/v and gate/up.
     pub fn from_gguf<R: Read + Seek>(
         ct: &gguf_file::Content,
         reader: &mut R,
@@ -260,22 +429,64 @@ impl QuantizedLlama {
         dtype: DType,
     ) -> Result<Self> {
         let p = GgufLlamaParams::from_gguf(ct)?;
+        let family = p.family;
+        let op = family.component();
         let head_dim = p.head_dim();
         let hs = p.hidden_size;
-        let mut w = GgufWeights::new(OP, ct, reader, device, dtype, dequantize)?;
-        let norm = |w: &mut GgufWeights<R>, name: &str| -> Result<FusedRmsNorm> {
-            let weight = w.dense_f32(name, &[hs])?.to_dtype(dtype)?;
+        let mut w = GgufWeights::new(op, ct, reader, device, dtype, dequantize)?;
+        let norm_of = |w: &mut GgufWeights<R>, name: &str, dim: usize| -> Result<FusedRmsNorm> {
+            let weight = w.dense_f32(name, &[dim])?.to_dtype(dtype)?;
             Ok(FusedRmsNorm::new(weight, p.rms_norm_eps))
         };
+        let norm = |w: &mut GgufWeights<R>, name: &str| norm_of(w, name, hs);
         let (embd_q, embd) = w.embeddings(hs)?;
         let embd = embd.to_dtype(dtype)?;
         let vocab_size = embd.dim(0)?;
         let output = w.output(embd_q, Some(&embd))?;
-        limits::check_gguf_layers(OP, "GGUF llama.block_count", p.num_layers, ct)?;
+        let block_count = format!("GGUF {}.block_count", family.name());
+        limits::check_gguf_layers(op, &block_count, p.num_layers, ct)?;
+        for factors in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+            if ct.tensor_infos.contains_key(factors) {
+                bail!("{op}: {factors}: LongRoPE scaling is not supported");
+            }
+        }
+        let qkv_rows = (p.num_heads + 2 * p.num_kv_heads) * head_dim;
         let mut layers = limits::layers_vec(p.num_layers);
         for i in 0..p.num_layers {
             let name = |n: &str| format!("blk.{i}.{n}.weight");
             let names = |ns: &[&str]| ns.iter().map(|n| name(n)).collect::<Vec<_>>();
+            let qkv_names = names(family.qkv_names());
+            let rows: Option<usize> = qkv_names
+                .iter()
+                .map(|n| {
+                    ct.tensor_infos
+                        .get(n)
+                        .and_then(|t| t.shape.dims().first().copied())
+                })
+                .sum();
+            if let Some(rows) = rows.filter(|&r| r != qkv_rows) {
+                bail!(
+                    "{op}: {} have {rows} rows, (attention.head_count + 2 * attention.head_count_kv) * head size is {qkv_rows}",
+                    qkv_names.join(", ")
+                );
+            }
+            let qkv_bias = match family.qkv_bias() {
+                false => None,
+                true => {
+                    let (q, kv) = (p.num_heads * head_dim, p.num_kv_heads * head_dim);
+                    let parts = [("attn_q", q), ("attn_k", kv), ("attn_v", kv)]
+                        .map(|(n, dim)| w.dense_f32(&format!("blk.{i}.{n}.bias"), &[dim]));
+                    let [bq, bk, bv] = parts;
+                    Some(Tensor::cat(&[bq?, bk?, bv?], 0)?.to_dtype(dtype)?)
+                }
+            };
+            let qk_norm = match family.qk_norm() {
+                false => None,
+                true => Some((
+                    norm_of(&mut w, &name("attn_q_norm"), head_dim)?,
+                    norm_of(&mut w, &name("attn_k_norm"), head_dim)?,
+                )),
+            };
             let attn = Attention::new(
                 p.num_heads,
                 p.num_kv_heads,
@@ -289,11 +500,13 @@ impl QuantizedLlama {
             )?;
             layers.push(Layer {
                 attn_norm: norm(&mut w, &name("attn_norm"))?,
-                wqkv: w.joined(&names(&["attn_q", "attn_k", "attn_v"]))?,
+                wqkv: w.joined(&qkv_names)?,
+                qkv_bias,
+                qk_norm,
                 wo: w.matmul(&name("attn_output"))?,
                 attn,
                 ffn_norm: norm(&mut w, &name("ffn_norm"))?,
-                w_gate_up: w.joined(&names(&["ffn_gate", "ffn_up"]))?,
+                w_gate_up: w.joined(&names(family.gate_up_names()))?,
                 w_down: w.matmul(&name("ffn_down"))?,
             });
         }
@@ -303,13 +516,20 @@ impl QuantizedLlama {
             .collect();
         if p.rope_dim != head_dim {
             bail!(
-                "{OP}: partial rotary embeddings are not supported (rope dim {} vs head dim {head_dim})",
+                "{op}: partial rotary embeddings are not supported (rope dim {} vs head dim {head_dim})",
                 p.rope_dim
             );
         }
         let context = p.context_length.unwrap_or(DEFAULT_CONTEXT_LENGTH);
-        let rotary = RotaryEmbedding::new(&inv_freq, context, true, dtype, device)?;
+        let rotary = RotaryEmbedding::new(
+            &inv_freq,
+            context,
+            family.interleaved_rotary(),
+            dtype,
+            device,
+        )?;
         Ok(Self {
+            component: op,
             dtype,
             tok_embeddings: Embedding::new(embd, p.hidden_size),
             layers,
@@ -356,12 +576,13 @@ impl PagedModel for QuantizedLlama {
         cache: &PagedKvCache,
         rows: &[usize],
     ) -> Result<Tensor> {
-        check_input(OP, input_ids, metadata, self.vocab_size)?;
-        check_cache(OP, cache, self.layers.len())?;
+        let op = self.component;
+        check_input(op, input_ids, metadata, self.vocab_size)?;
+        check_cache(op, cache, self.layers.len())?;
         let rotary = self.rotary.at(metadata)?;
         let mut x = self.tok_embeddings.forward(input_ids)?;
         let Some(first) = self.layers.first() else {
-            bail!("{OP}: the model has no layers");
+            bail!("{op}: the model has no layers");
         };
         // Each residual add runs with the norm after it (one kernel on CUDA);
         // the last one with the output norm, over every row (the norm is
@@ -374,7 +595,7 @@ impl PagedModel for QuantizedLlama {
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.attn_norm);
             (x, normed) = next.add_forward(&x, &h)?;
         }
-        let x = select_rows(OP, &normed, rows)?;
+        let x = select_rows(op, &normed, rows)?;
         self.output.forward(&x)?.to_dtype(DType::F32)
     }
 }

@@ -79,19 +79,19 @@ pub const ARCHITECTURES: &[Architecture] = &[
     Architecture {
         name: "qwen2",
         model_types: &["qwen2"],
-        gguf: None,
+        gguf: Some(gguf_llama),
         safetensors: Some(safetensors_qwen2),
     },
     Architecture {
         name: "qwen3",
         model_types: &["qwen3"],
-        gguf: None,
+        gguf: Some(gguf_llama),
         safetensors: Some(safetensors_qwen3),
     },
     Architecture {
         name: "phi3",
         model_types: &["phi3"],
-        gguf: None,
+        gguf: Some(gguf_llama),
         safetensors: Some(safetensors_phi3),
     },
     Architecture {
@@ -108,6 +108,10 @@ pub const ARCHITECTURES: &[Architecture] = &[
     },
 ];
 
+/// The GGUF loader of `llama`, `qwen2`, `qwen3` and `phi3`: one decoder, the
+/// family read from `general.architecture` ([`GgufFamily`]).
+///
+/// [`GgufFamily`]: super::quantized_llama::GgufFamily
 fn gguf_llama(
     ct: &gguf_file::Content,
     file: &mut File,
@@ -411,16 +415,11 @@ fn load_safetensors(
     let dir = files.dir.as_path();
     let config = std::fs::read_to_string(&files.config)
         .map_err(|e| Error::Msg(format!("{OP}: reading {}: {e}", files.config.display())))?;
-    let json: serde_json::Value = parse(&config)?;
-    let model_type = json["model_type"].as_str().unwrap_or("llama").to_string();
-    let architecture = safetensors_architecture(&model_type)?;
     // SAFETY: the files are not modified while the model is loaded (the
     // mapping is read-only; a file changed under it is the caller's bug).
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, options.dtype, device)? };
-    let Some(loader) = architecture.safetensors else {
-        bail!("{OP}: {model_type} has no safetensors loader");
-    };
-    let model = loader(&config, vb, options.paged)?;
+    let (model, architecture) = load_config(&config, vb, options.paged)?;
+    let model_type = architecture_model_type(&config)?;
     let tokenizer = ModelTokenizer::from_dir(dir, options.tokenizer.as_deref())?;
     Ok(Loaded {
         model,
@@ -429,6 +428,28 @@ fn load_safetensors(
         architecture,
         notes: Vec::new(),
     })
+}
+
+/// The `model_type` of a `config.json` text (`llama` when it has none).
+fn architecture_model_type(config: &str) -> Result<String> {
+    let json: serde_json::Value = parse(config)?;
+    Ok(json["model_type"].as_str().unwrap_or("llama").to_string())
+}
+
+/// Loads the model that `config` (a `config.json` text) describes from the
+/// weights in `vb`, through the [`ARCHITECTURES`] row of its `model_type`
+/// (`llama` when it has none); returns the model and its row.
+pub fn load_config(
+    config: &str,
+    vb: VarBuilder,
+    options: PagedOptions,
+) -> Result<(Box<dyn PagedModel>, &'static Architecture)> {
+    let model_type = architecture_model_type(config)?;
+    let architecture = safetensors_architecture(&model_type)?;
+    let Some(loader) = architecture.safetensors else {
+        bail!("{OP}: {model_type} has no safetensors loader");
+    };
+    Ok((loader(config, vb, options)?, architecture))
 }
 
 /// The memory available to this process in bytes (`MemAvailable` of
@@ -505,10 +526,10 @@ mod tests {
 
     #[test]
     fn unknown_architectures_are_named_with_the_known_ones() {
-        let e = gguf_architecture("qwen2").unwrap_err().to_string();
+        let e = gguf_architecture("phi2").unwrap_err().to_string();
         assert_eq!(
             e.lines().next(),
-            Some("models::load: GGUF architecture qwen2 is not supported (llama, gemma3)")
+            Some("models::load: GGUF architecture phi2 is not supported (llama, qwen2, qwen3, phi3, gemma3)")
         );
         let e = safetensors_architecture("phi").unwrap_err().to_string();
         assert_eq!(

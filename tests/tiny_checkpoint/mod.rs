@@ -18,9 +18,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use candle_paged_attention::models::{
-    gemma2, gemma3, llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
-};
+use candle_paged_attention::models::{CacheConfig, PagedKvCache, PagedModel, PagedOptions};
 use candle_paged_attention::{AttentionMetadata, PagedBatch, SlotMapping};
 
 /// The largest single allocation the capped allocator grants (256 MiB):
@@ -197,29 +195,54 @@ pub fn gemma3_config_json() -> String {
 }
 
 /// Loads the model that `config` (a `config.json` text) describes from
-/// `vb`, by its `model_type`.
+/// `vb`, through the registry's row of its `model_type`.
 pub fn load_config(config: &str, vb: VarBuilder) -> Result<Box<dyn PagedModel>> {
-    let json: serde_json::Value = serde_json::from_str(config)?;
     let opts = PagedOptions {
         block_size: 4,
         ..Default::default()
     };
-    Ok(match json["model_type"].as_str().unwrap_or("llama") {
-        "gemma2" => Box::new(gemma2::Gemma2::load(
-            vb,
-            &serde_json::from_str(config)?,
-            opts,
-        )?),
-        "gemma3_text" => Box::new(gemma3::Gemma3::load(
-            vb,
-            &serde_json::from_str(config)?,
-            opts,
-        )?),
-        _ => {
-            let cfg: llama::LlamaConfig = serde_json::from_str(config)?;
-            Box::new(llama::Llama::load(vb, &cfg.into_config(false), opts)?)
-        }
-    })
+    Ok(candle_paged_attention::models::registry::load_config(config, vb, opts)?.0)
+}
+
+/// `config.json` of a tiny Qwen2 (q/k/v biases, tied embeddings).
+pub fn qwen2_config_json() -> String {
+    format!(
+        r#"{{"model_type": "qwen2", "hidden_size": {HIDDEN}, "intermediate_size": {FF}, "vocab_size": {VOCAB},
+  "num_hidden_layers": {LAYERS}, "num_attention_heads": {HEADS}, "num_key_value_heads": {KV_HEADS},
+  "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64, "sliding_window": 4,
+  "use_sliding_window": false, "max_window_layers": 1, "tie_word_embeddings": true, "hidden_act": "silu"}}"#
+    )
+}
+
+/// `config.json` of a tiny Qwen3 (QK-norm).
+pub fn qwen3_config_json() -> String {
+    format!(
+        r#"{{"model_type": "qwen3", "hidden_size": {HIDDEN}, "intermediate_size": {FF}, "vocab_size": {VOCAB},
+  "num_hidden_layers": {LAYERS}, "num_attention_heads": {HEADS}, "num_key_value_heads": {KV_HEADS},
+  "head_dim": {HEAD_DIM}, "attention_bias": false, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+  "max_position_embeddings": 64, "tie_word_embeddings": false, "hidden_act": "silu"}}"#
+    )
+}
+
+/// `config.json` of a tiny Mistral (a sliding window of 4).
+pub fn mistral_config_json() -> String {
+    format!(
+        r#"{{"model_type": "mistral", "hidden_size": {HIDDEN}, "intermediate_size": {FF}, "vocab_size": {VOCAB},
+  "num_hidden_layers": {LAYERS}, "num_attention_heads": {HEADS}, "num_key_value_heads": {KV_HEADS},
+  "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64, "sliding_window": 4,
+  "hidden_act": "silu", "tie_word_embeddings": false}}"#
+    )
+}
+
+/// `config.json` of a tiny Phi-3 (joined qkv and gate/up).
+pub fn phi3_config_json() -> String {
+    format!(
+        r#"{{"model_type": "phi3", "hidden_size": {HIDDEN}, "intermediate_size": {FF}, "vocab_size": {VOCAB},
+  "num_hidden_layers": {LAYERS}, "num_attention_heads": {HEADS}, "num_key_value_heads": {KV_HEADS},
+  "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
+  "original_max_position_embeddings": 64, "hidden_act": "silu", "tie_word_embeddings": false,
+  "bos_token_id": 1, "eos_token_id": 2, "rope_scaling": null, "sliding_window": null}}"#
+    )
 }
 
 /// The weights (by name) of the model `config` describes: random, as
