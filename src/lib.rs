@@ -72,6 +72,8 @@ mod ops;
 mod params;
 pub mod reference;
 pub mod remap;
+#[cfg(feature = "server")]
+pub mod server;
 
 // One public path per item: the modules above are private and their items
 // are re-exported here; `models`, `reference` and `remap` are public
