@@ -175,6 +175,8 @@ impl Detokenizer {
 /// prefix of `stop` (both cut on character boundaries).
 fn partial_overlap(text: &str, stop: &str) -> usize {
     let longest = (stop.len().saturating_sub(1)).min(text.len());
+    // `n <= longest <= text.len()`, and the slice is taken only after
+    // `is_char_boundary` holds: it cannot panic.
     (1..=longest)
         .rev()
         .find(|&n| {

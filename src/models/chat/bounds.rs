@@ -508,6 +508,8 @@ impl<'s> Rewriter<'s> {
             }
         }
         let bytes = self.src.as_bytes();
+        // `start - 1` is read only after `start > 0` (or `start == 0`) is
+        // checked: it cannot underflow.
         for _ in 0..unmatched {
             while start > 0 && bytes[start - 1].is_ascii_whitespace() {
                 start -= 1;

@@ -289,6 +289,9 @@ impl ChatTemplate {
         }
         let mut pieces = Vec::new();
         let mut rest = masked.as_str();
+        // `find` gives the byte offset of a marker present in the string, so
+        // the offsets past it (`start + len_utf8`, `end + len_utf8`) are
+        // character boundaries within it: the slices cannot panic.
         while let Some(start) = rest.find('\u{FDD0}') {
             pieces.push(Piece::Text(&rest[..start]));
             let after = &rest[start + '\u{FDD0}'.len_utf8()..];

@@ -68,6 +68,7 @@ impl Trie {
         let mut out = vec![false; bytes.len() + 1];
         let mut node = 0u32;
         out[0] = self.ends[0];
+        // `k < bytes.len()`, so `k + 1` is within `out`.
         for (k, b) in bytes.enumerate() {
             match self.edges.get(&(node, b)) {
                 Some(&next) => node = next,
@@ -111,6 +112,8 @@ fn merges(vocab: &GgufVocab, scores: &[f32]) -> Vec<(String, String)> {
         // A split at byte `at` (0 < at < n) joins the piece piece[..at] and
         // the piece piece[at..]; both are valid UTF-8 pieces, so `at` is a
         // character boundary.
+        // `prefix` and `suffix` have `n + 1` entries and `0 < at < n`: the
+        // indices `at` and `n - at` are in range.
         for at in 1..n {
             if prefix[at] && suffix[n - at] {
                 // `scores` has one entry per token: checked by the caller.
