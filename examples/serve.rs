@@ -78,6 +78,13 @@ struct Args {
     /// Request bodies larger than this many bytes are answered 413.
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// On CUDA: decode graphs are captured at start-up for sequences of up
+    /// to this many tokens (longer ones capture theirs on first use).
+    #[arg(long, default_value_t = 4096)]
+    cuda_graph_context: usize,
+    /// On CUDA: capture each decode graph on its first step instead.
+    #[arg(long)]
+    lazy_cuda_graphs: bool,
     /// Seconds running requests get to finish after Ctrl-C.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout_secs: u64,
@@ -215,6 +222,7 @@ fn main() -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         shutdown_timeout: Duration::from_secs(args.shutdown_timeout_secs),
         default_max_tokens: args.default_max_tokens,
+        capture_graphs_up_to: (!args.lazy_cuda_graphs).then_some(args.cuda_graph_context),
         ..ServeConfig::default()
     };
     let addr = format!("{}:{}", args.host, args.port);

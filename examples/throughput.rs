@@ -97,6 +97,8 @@
 
 #[path = "throughput/paged.rs"]
 mod paged;
+#[path = "throughput/random_llama.rs"]
+mod random_llama;
 #[path = "throughput/reference.rs"]
 mod reference;
 #[path = "throughput/stats.rs"]
@@ -104,12 +106,11 @@ mod stats;
 #[path = "throughput/workload.rs"]
 mod workload;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use candle_paged_attention::models::generation::SchedulerConfig;
 use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
@@ -123,8 +124,6 @@ use candle_paged_attention::Attention;
 const DEFAULT_COPY_BANDWIDTH_GBS: f64 = 4300.0;
 use candle_transformers::models as ct;
 use clap::{Parser, ValueEnum};
-use rand::SeedableRng;
-use rand_distr::{Distribution, Normal};
 use serde_json::json;
 
 use reference::{DenseRef, QuantizedGemma3Ref, QuantizedRef, Reference};
@@ -454,94 +453,6 @@ fn load_gguf(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
     })
 }
 
-/// Llama 3 8B's configuration with the shape flags applied.
-fn llama3_config(args: &Args) -> llama::Config {
-    llama::Config {
-        hidden_size: args.hidden,
-        intermediate_size: args.intermediate,
-        vocab_size: args.vocab,
-        num_hidden_layers: args.layers,
-        num_attention_heads: args.heads,
-        num_key_value_heads: args.kv_heads,
-        use_flash_attn: false,
-        rms_norm_eps: 1e-5,
-        rope_theta: 500_000.0,
-        bos_token_id: None,
-        eos_token_id: None,
-        rope_scaling: None,
-        max_position_embeddings: 8192,
-        tie_word_embeddings: false,
-    }
-}
-
-/// Name, shape and "is a norm weight" of every tensor a Hugging Face Llama
-/// checkpoint of `cfg` holds (what both loaders ask their VarBuilder for).
-fn llama_tensor_shapes(cfg: &llama::Config) -> Vec<(String, Vec<usize>, bool)> {
-    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let kv = cfg.num_key_value_heads * (h / cfg.num_attention_heads);
-    let mut v = vec![
-        (
-            "model.embed_tokens.weight".into(),
-            vec![cfg.vocab_size, h],
-            false,
-        ),
-        ("model.norm.weight".into(), vec![h], true),
-    ];
-    if !cfg.tie_word_embeddings {
-        v.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], false));
-    }
-    for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        v.extend([
-            (format!("{p}.input_layernorm.weight"), vec![h], true),
-            (
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![h],
-                true,
-            ),
-            (format!("{p}.self_attn.q_proj.weight"), vec![h, h], false),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false),
-            (format!("{p}.self_attn.o_proj.weight"), vec![h, h], false),
-            (format!("{p}.mlp.gate_proj.weight"), vec![i, h], false),
-            (format!("{p}.mlp.up_proj.weight"), vec![i, h], false),
-            (format!("{p}.mlp.down_proj.weight"), vec![h, i], false),
-        ]);
-    }
-    v
-}
-
-/// Seeded random weights: normal with standard deviation `std` for
-/// matrices, ones for norms. On CUDA the device's generator draws them
-/// (seeded once); on the CPU a seeded host generator does.
-fn random_weights(
-    cfg: &llama::Config,
-    std: f64,
-    dtype: DType,
-    seed: u64,
-    dev: &Device,
-) -> Result<HashMap<String, Tensor>> {
-    if dev.is_cuda() {
-        dev.set_seed(seed)?;
-    }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let normal = Normal::new(0f32, std as f32)?;
-    let mut out = HashMap::new();
-    for (name, shape, norm) in llama_tensor_shapes(cfg) {
-        let t = if norm {
-            Tensor::ones(shape, dtype, dev)?
-        } else if dev.is_cuda() {
-            Tensor::randn(0f32, std as f32, shape, dev)?.to_dtype(dtype)?
-        } else {
-            let n = shape.iter().product();
-            let data: Vec<f32> = (0..n).map(|_| normal.sample(&mut rng)).collect();
-            Tensor::from_vec(data, shape, dev)?.to_dtype(dtype)?
-        };
-        out.insert(name, t);
-    }
-    Ok(out)
-}
-
 fn load_llama3_random(args: &Args, dev: &Device, opts: PagedOptions) -> Result<Loaded> {
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
@@ -561,8 +472,16 @@ fn load_llama3_random(args: &Args, dev: &Device, opts: PagedOptions) -> Result<L
             args.kv_heads
         );
     }
-    let cfg = llama3_config(args);
-    let shapes = llama_tensor_shapes(&cfg);
+    let cfg = random_llama::LlamaShape {
+        layers: args.layers,
+        hidden: args.hidden,
+        intermediate: args.intermediate,
+        heads: args.heads,
+        kv_heads: args.kv_heads,
+        vocab: args.vocab,
+    }
+    .config();
+    let shapes = random_llama::tensor_shapes(&cfg);
     let numel = |s: &[usize]| s.iter().product::<usize>();
     let total: usize = shapes.iter().map(|(_, s, _)| numel(s)).sum();
     let bytes = total * dtype.size_in_bytes();
@@ -574,7 +493,7 @@ fn load_llama3_random(args: &Args, dev: &Device, opts: PagedOptions) -> Result<L
     }
     let embed = cfg.vocab_size * cfg.hidden_size * dtype.size_in_bytes();
     let vb = VarBuilder::from_tensors(
-        random_weights(&cfg, args.weight_std, dtype, args.seed, dev)?,
+        random_llama::random_weights(&cfg, args.weight_std, dtype, args.seed, dev)?,
         dtype,
         dev,
     );

@@ -119,11 +119,11 @@ fn prompts(seed: u64) -> Vec<Vec<u32>> {
 
 /// Our logits `(vocab,)` after `prompt`, prefilled in chunks of 5.
 fn our_logits(model: &dyn PagedModel, prompt: &[u32]) -> Result<Tensor> {
-    let dev = Device::Cpu;
+    let dev = model.device().clone();
     let cache = PagedKvCache::new(
         &model.attention_layers(),
         CacheConfig::new(32),
-        DType::F32,
+        model.dtype(),
         &dev,
     )?;
     let mut manager = cache.block_manager()?;
@@ -138,25 +138,34 @@ fn our_logits(model: &dyn PagedModel, prompt: &[u32]) -> Result<Tensor> {
         let batch = manager.schedule(&work, &dev)?;
         let ids = Tensor::new(batch.token_ids.as_slice(), &dev)?;
         let logits = model.forward(&ids, &batch.metadata, &cache, &[batch.last_rows[0]])?;
-        last = Some(logits.flatten_all()?);
+        last = Some(
+            logits
+                .flatten_all()?
+                .to_dtype(DType::F32)?
+                .to_device(&Device::Cpu)?,
+        );
     }
     last.ok_or_else(|| anyhow::anyhow!("empty prompt"))
 }
 
-/// The reference's greedy tokens of `prompt`.
-fn their_tokens(r: &mut dyn Reference, prompt: &[u32], recompute: bool) -> Result<Vec<u32>> {
-    let dev = Device::Cpu;
+/// The reference's greedy tokens of `prompt`, its model on `dev`.
+fn their_tokens(
+    r: &mut dyn Reference,
+    prompt: &[u32],
+    recompute: bool,
+    dev: &Device,
+) -> Result<Vec<u32>> {
     r.clear();
     let mut seq = prompt.to_vec();
-    let mut logits = r.step(&Tensor::new(prompt, &dev)?.unsqueeze(0)?, 0)?;
+    let mut logits = r.step(&Tensor::new(prompt, dev)?.unsqueeze(0)?, 0)?;
     for _ in 0..NEW_TOKENS {
         let t = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
         seq.push(t);
         logits = if recompute {
             r.clear();
-            r.step(&Tensor::new(seq.as_slice(), &dev)?.unsqueeze(0)?, 0)?
+            r.step(&Tensor::new(seq.as_slice(), dev)?.unsqueeze(0)?, 0)?
         } else {
-            r.step(&Tensor::new(&[[t]], &dev)?, seq.len() - 1)?
+            r.step(&Tensor::new(&[[t]], dev)?, seq.len() - 1)?
         };
     }
     Ok(seq[prompt.len()..].to_vec())
@@ -168,8 +177,8 @@ fn engine_tokens(model: &dyn PagedModel, prompts: &[Vec<u32>]) -> Result<Vec<Vec
     let cache = PagedKvCache::new(
         &model.attention_layers(),
         CacheConfig::new(64),
-        DType::F32,
-        &Device::Cpu,
+        model.dtype(),
+        model.device(),
     )?;
     let config = SchedulerConfig {
         max_batch_tokens: 8,
@@ -190,11 +199,25 @@ fn engine_tokens(model: &dyn PagedModel, prompts: &[Vec<u32>]) -> Result<Vec<Vec
     Ok(out)
 }
 
-/// (a) and (b) of the module docs for `family`; returns the largest logit
-/// difference relative to the largest logit.
+/// (a) and (b) of the module docs for `family` on the CPU in f32; returns
+/// the largest logit difference relative to the largest logit.
 fn check_family(family: &Family, seed: u64) -> Result<f32> {
+    check_family_on(family, seed, &Device::Cpu, DType::F32, 1e-4)
+}
+
+/// (a) and (b) for `family` with both models on `dev` in `dtype`: logits
+/// within `tolerance` of their scale; greedy tokens equal (in f32) or
+/// counted (in a 16-bit dtype, where two implementations round apart and
+/// a near tie can flip a token).
+fn check_family_on(
+    family: &Family,
+    seed: u64,
+    dev: &Device,
+    dtype: DType,
+    tolerance: f32,
+) -> Result<f32> {
     let w = weights(family, seed)?;
-    let vb = || VarBuilder::from_tensors(w.clone(), DType::F32, &Device::Cpu);
+    let vb = || VarBuilder::from_tensors(w.clone(), dtype, dev);
     let ours = (family.ours)(&family.json, vb())?;
     let mut theirs = (family.theirs)(&family.json, vb())?;
     let prompts = prompts(seed + 1);
@@ -202,23 +225,31 @@ fn check_family(family: &Family, seed: u64) -> Result<f32> {
     for p in &prompts {
         let a = our_logits(ours.as_ref(), p)?;
         theirs.clear();
-        let b = theirs.step(&Tensor::new(p.as_slice(), &Device::Cpu)?.unsqueeze(0)?, 0)?;
+        let b = theirs
+            .step(&Tensor::new(p.as_slice(), dev)?.unsqueeze(0)?, 0)?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?;
         let diff = (&a - &b)?.abs()?.max(0)?.to_scalar::<f32>()?;
         let scale = b.abs()?.max(0)?.to_scalar::<f32>()?.max(1.0);
         worst = worst.max(diff / scale);
     }
     println!(
-        "{}: largest last-logit difference {worst:.2e} of the logits' scale",
+        "{} on {dev:?} in {dtype:?}: largest last-logit difference {worst:.2e} of the logits' scale",
         family.name
     );
     ensure!(
-        worst < 1e-4,
-        "{}: logits differ by {worst} of their scale",
+        worst < tolerance,
+        "{} on {dev:?} in {dtype:?}: logits differ by {worst} of their scale",
         family.name
     );
     let batched = engine_tokens(ours.as_ref(), &prompts)?;
+    let mut equal = 0;
     for (i, p) in prompts.iter().enumerate() {
-        let alone = their_tokens(theirs.as_mut(), p, family.recompute)?;
+        let alone = their_tokens(theirs.as_mut(), p, family.recompute, dev)?;
+        if dtype != DType::F32 {
+            equal += usize::from(batched[i] == alone);
+            continue;
+        }
         println!(
             "{} prompt {i} ({} tokens): {:?}",
             family.name,
@@ -230,6 +261,13 @@ fn check_family(family: &Family, seed: u64) -> Result<f32> {
             "{} prompt {i}: engine {:?}, candle-transformers {alone:?}",
             family.name,
             batched[i]
+        );
+    }
+    if dtype != DType::F32 {
+        println!(
+            "{} on {dev:?} in {dtype:?}: greedy tokens equal on {equal} of {} prompts",
+            family.name,
+            prompts.len()
         );
     }
     Ok(worst)
@@ -532,6 +570,36 @@ fn each_family_loads_through_the_registry() -> Result<()> {
         );
         let diff = (a - b)?.abs()?.max(0)?.to_scalar::<f32>()?;
         ensure!(diff == 0.0, "{arch}: registry model differs by {diff}");
+    }
+    Ok(())
+}
+
+/// Each family with both models on the GPU: in f32 (our CUDA kernels
+/// against candle-transformers' CUDA ops) exactly as on the CPU; in bf16,
+/// logits within bf16 rounding of the scale (tokens counted).
+#[cfg(feature = "cuda")]
+#[test]
+fn families_match_candle_transformers_on_cuda() -> Result<()> {
+    let dev = Device::new_cuda(0)?;
+    let window = with(
+        &with(QWEN2, "use_sliding_window", true.into()),
+        "max_window_layers",
+        0.into(),
+    );
+    let families = [
+        (qwen2_family(QWEN2.into(), false), 10),
+        (
+            qwen2_family(with(&window, "sliding_window", 6.into()), true),
+            11,
+        ),
+        (qwen3_family(), 20),
+        (mistral_family(), 30),
+        (phi3_family(PHI3), 40),
+        (phi3_family(PHI3_PLAIN), 41),
+    ];
+    for (family, seed) in &families {
+        check_family_on(family, *seed, &dev, DType::F32, 1e-4)?;
+        check_family_on(family, *seed, &dev, DType::BF16, 5e-2)?;
     }
     Ok(())
 }

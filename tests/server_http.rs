@@ -361,13 +361,35 @@ async fn answers_match_the_offline_engine() {
         let mut body = body;
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
-        let events = server.post_stream("/v1/completions", body).await;
+        let events = server.post_stream("/v1/completions", body.clone()).await;
         let (text, f, usage) = stream_text(&events);
         assert_eq!(text, want, "streamed prompt {k}");
         assert_eq!(f.as_deref(), Some(finish));
         let usage = usage.expect("usage chunk");
         assert_eq!(usage["completion_tokens"], expected[k].len());
         assert_eq!(usage["total_tokens"], expected[k].len() + prompt_len);
+        assert!(
+            events.iter().all(|e| !e.contains("token_ids")),
+            "token_ids only when asked for"
+        );
+
+        // vLLM's return_token_ids: the generated ids, whole and chunk by
+        // chunk (a stop token included).
+        body["return_token_ids"] = json!(true);
+        let events = server.post_stream("/v1/completions", body.clone()).await;
+        let streamed_ids: Vec<u64> = events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .filter_map(|v| v["choices"][0]["token_ids"].as_array().cloned())
+            .flatten()
+            .map(|id| id.as_u64().expect("an id"))
+            .collect();
+        let want_ids: Vec<u64> = expected[k].iter().map(|&t| u64::from(t)).collect();
+        assert_eq!(streamed_ids, want_ids, "streamed token_ids, prompt {k}");
+        body["stream"] = json!(false);
+        let (status, v) = server.post("/v1/completions", body).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["choices"][0]["token_ids"], json!(want_ids), "prompt {k}");
     }
 
     // Chat: the template's prompt, whole and streamed.

@@ -87,6 +87,10 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Failed steps retried in a row before the live requests fail.
     pub step_retries: usize,
+    /// Capture the decode CUDA graphs for sequences of up to this many
+    /// tokens before serving (see `Engine::capture_cuda_graphs`); `None`:
+    /// each is captured on its first step.
+    pub capture_graphs_up_to: Option<usize>,
 }
 
 /// An event of one request.
@@ -250,13 +254,25 @@ where
                 name,
             } = loaded;
             let (num_blocks, block_size) = (cache.config().num_blocks, cache.block_size());
-            let engine = match Engine::new(&*model, cache, config.scheduler) {
+            let mut engine = match Engine::new(&*model, cache, config.scheduler) {
                 Ok(e) => e,
                 Err(e) => {
                     let _ = info_tx.send(Err(e));
                     return;
                 }
             };
+            if let Some(context) = config.capture_graphs_up_to {
+                let start = Instant::now();
+                match engine.capture_cuda_graphs(context.min(model.max_seq_len())) {
+                    Ok(0) => {}
+                    Ok(n) => eprintln!(
+                        "{OP}: {n} decode CUDA graphs captured in {:.2?}",
+                        start.elapsed()
+                    ),
+                    // Decode steps then capture on first use, or run eagerly.
+                    Err(e) => eprintln!("{OP}: capturing the decode CUDA graphs: {e}"),
+                }
+            }
             let info = ModelInfo {
                 name,
                 tokenizer,

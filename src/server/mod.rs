@@ -93,6 +93,10 @@ pub struct ServeConfig {
     /// New tokens when a request gives no `max_tokens` (never more than
     /// the context leaves); `None`: what the context leaves.
     pub default_max_tokens: Option<usize>,
+    /// On CUDA: capture the decode graphs for sequences of up to this many
+    /// tokens at start-up, so that no request waits for a capture; `None`:
+    /// each graph is captured on its first step.
+    pub capture_graphs_up_to: Option<usize>,
 }
 
 impl Default for ServeConfig {
@@ -104,6 +108,7 @@ impl Default for ServeConfig {
             step_retries: 3,
             shutdown_timeout: Duration::from_secs(30),
             default_max_tokens: None,
+            capture_graphs_up_to: None,
         }
     }
 }
@@ -132,6 +137,7 @@ impl Server {
                 scheduler: config.scheduler,
                 max_waiting: config.max_waiting,
                 step_retries: config.step_retries,
+                capture_graphs_up_to: config.capture_graphs_up_to,
             },
             metrics.clone(),
         )?;

@@ -69,6 +69,9 @@ pub struct SamplingFields {
     pub top_logprobs: Option<Value>,
     /// Keep generating past the model's stop tokens.
     pub ignore_eos: Option<bool>,
+    /// vLLM's extension: each choice (and each stream chunk) also carries
+    /// the ids of the tokens it holds, as `token_ids`.
+    pub return_token_ids: Option<bool>,
     /// Stream the answer as server-sent events.
     pub stream: Option<bool>,
     /// Streaming options.
@@ -153,6 +156,10 @@ pub struct ChatChoice {
     pub finish_reason: Option<String>,
     /// Always null.
     pub logprobs: Option<Value>,
+    /// With `return_token_ids`: the ids of the generated tokens this
+    /// choice (or chunk) holds, a stop token included; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// A chat answer (`object: chat.completion`).
@@ -194,6 +201,10 @@ pub struct ChatChunkChoice {
     pub finish_reason: Option<String>,
     /// Always null.
     pub logprobs: Option<Value>,
+    /// With `return_token_ids`: the ids of the generated tokens this
+    /// choice (or chunk) holds, a stop token included; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// A chat stream chunk (`object: chat.completion.chunk`).
@@ -225,6 +236,10 @@ pub struct CompletionChoice {
     pub finish_reason: Option<String>,
     /// Always null.
     pub logprobs: Option<Value>,
+    /// With `return_token_ids`: the ids of the generated tokens this
+    /// choice (or chunk) holds, a stop token included; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// A text completion or one of its stream chunks (`object:

@@ -219,6 +219,8 @@ struct Job {
     stops: Vec<String>,
     stream: bool,
     include_usage: bool,
+    /// Choices and chunks carry `token_ids`.
+    return_token_ids: bool,
 }
 
 /// Checks the shared fields and builds the sampling parameters for a
@@ -563,6 +565,7 @@ fn job(
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
+        return_token_ids: f.return_token_ids.unwrap_or(false),
     })
 }
 
@@ -651,6 +654,8 @@ struct Answer {
     submitted: Submitted,
     text: Detokenizer,
     tokens: usize,
+    /// Generated ids not yet sent (with `return_token_ids`).
+    pending_ids: Vec<u32>,
     created: u64,
     id: String,
 }
@@ -678,6 +683,7 @@ impl Answer {
             job,
             submitted,
             tokens: 0,
+            pending_ids: Vec::new(),
             created: now_secs(),
             id,
         }
@@ -703,6 +709,9 @@ impl Answer {
         match self.submitted.events.recv().await {
             Some(Event::Token(token)) => {
                 self.tokens += 1;
+                if self.job.return_token_ids {
+                    self.pending_ids.push(token);
+                }
                 // A stop token ends the answer; its text is not part of it.
                 if self.job.params.stop_tokens.contains(&token) {
                     return Step::Text(String::new());
@@ -738,8 +747,16 @@ impl Answer {
         }
     }
 
-    fn chunk(&self, text: Option<String>, role: bool, finish: Option<&str>) -> String {
+    /// The ids not yet sent, when the request asked for them.
+    fn take_ids(&mut self) -> Option<Vec<u32>> {
+        self.job
+            .return_token_ids
+            .then(|| std::mem::take(&mut self.pending_ids))
+    }
+
+    fn chunk(&mut self, text: Option<String>, role: bool, finish: Option<&str>) -> String {
         let usage = self.job.include_usage.then_some(None);
+        let token_ids = if role { None } else { self.take_ids() };
         let json = if self.job.chat {
             serde_json::to_string(&ChatCompletionChunk {
                 id: self.id.clone(),
@@ -754,6 +771,7 @@ impl Answer {
                     },
                     finish_reason: finish.map(str::to_string),
                     logprobs: None,
+                    token_ids,
                 }],
                 usage,
             })
@@ -768,6 +786,7 @@ impl Answer {
                     text: text.unwrap_or_default(),
                     finish_reason: finish.map(str::to_string),
                     logprobs: None,
+                    token_ids,
                 }],
                 usage,
             })
@@ -813,6 +832,7 @@ async fn whole_answer(mut a: Answer) -> Response {
         }
     };
     let usage = a.usage();
+    let token_ids = a.take_ids();
     if a.job.chat {
         Json(ChatCompletionResponse {
             id: a.id.clone(),
@@ -827,6 +847,7 @@ async fn whole_answer(mut a: Answer) -> Response {
                 },
                 finish_reason: Some(finish.into()),
                 logprobs: None,
+                token_ids,
             }],
             usage,
         })
@@ -842,6 +863,7 @@ async fn whole_answer(mut a: Answer) -> Response {
                 text,
                 finish_reason: Some(finish.into()),
                 logprobs: None,
+                token_ids,
             }],
             usage: Some(Some(usage)),
         })
@@ -877,7 +899,9 @@ fn stream_answer(answer: Answer) -> impl IntoResponse {
                 let mut out = Vec::new();
                 let ended = loop {
                     match a.next().await {
-                        Step::Text(t) if t.is_empty() => continue,
+                        // A token with no text yet (part of a character)
+                        // still gets its chunk when its id is asked for.
+                        Step::Text(t) if t.is_empty() && !a.job.return_token_ids => continue,
                         Step::Text(t) => {
                             out.push(data(a.chunk(Some(t), false, None)));
                             break false;
