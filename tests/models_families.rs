@@ -576,7 +576,9 @@ fn each_family_loads_through_the_registry() -> Result<()> {
 
 /// Each family with both models on the GPU: in f32 (our CUDA kernels
 /// against candle-transformers' CUDA ops) exactly as on the CPU; in bf16,
-/// logits within bf16 rounding of the scale (tokens counted).
+/// last logits within a tenth of their scale (two implementations rounding
+/// apart through 3 random layers: 2e-2 to 5e-2 measured on an H200; a wrong
+/// window, rotation or norm moves them by the whole scale), tokens counted.
 #[cfg(feature = "cuda")]
 #[test]
 fn families_match_candle_transformers_on_cuda() -> Result<()> {
@@ -599,7 +601,7 @@ fn families_match_candle_transformers_on_cuda() -> Result<()> {
     ];
     for (family, seed) in &families {
         check_family_on(family, *seed, &dev, DType::F32, 1e-4)?;
-        check_family_on(family, *seed, &dev, DType::BF16, 5e-2)?;
+        check_family_on(family, *seed, &dev, DType::BF16, 1e-1)?;
     }
     Ok(())
 }

@@ -149,7 +149,9 @@ impl GemmaAttention {
         })
     }
 
-    /// `x` `(num_tokens, hidden)` -> `(num_tokens, hidden)`.
+    /// `x` `(num_tokens, hidden)` -> `(num_tokens, hidden)`. On CUDA the
+    /// rotation of q and k runs with the cache write (one kernel) after
+    /// the q/k norms; elsewhere candle's ops as candle-transformers.
     pub(crate) fn forward(
         &self,
         x: &Tensor,
@@ -163,6 +165,26 @@ impl GemmaAttention {
             self.attn.head_size(),
         );
         let n = x.dim(0)?;
+        if x.device().is_cuda() {
+            let mut qkv = self.qkv_proj.forward_joined(x)?;
+            if let Some((q_norm, k_norm)) = &self.qk_norms {
+                let q = qkv.narrow(1, 0, h * d)?.reshape((n * h, d))?;
+                let k = qkv.narrow(1, h * d, kvh * d)?.reshape((n * kvh, d))?;
+                let v = qkv.narrow(1, (h + kvh) * d, kvh * d)?;
+                qkv = Tensor::cat(
+                    &[
+                        &q.apply(q_norm)?.reshape((n, h * d))?,
+                        &k.apply(k_norm)?.reshape((n, kvh * d))?,
+                        &v,
+                    ],
+                    1,
+                )?;
+            }
+            return self
+                .attn
+                .forward_rotary_qkv(&qkv, rotary.rows(), cache, metadata)?
+                .apply(&self.o_proj);
+        }
         let [mut q, mut k, v] = self.qkv_proj.forward(x)?;
         if let Some((q_norm, k_norm)) = &self.qk_norms {
             q = q.reshape((n, h, d))?.apply(q_norm)?;
@@ -209,23 +231,58 @@ impl GemmaDecoderLayer {
         })
     }
 
-    /// `x` `(num_tokens, hidden)` -> `(num_tokens, hidden)`.
+    /// One layer over the residual stream `x` `(num_tokens, hidden)` and
+    /// its input norm `normed` (the previous layer's last add ran it):
+    /// returns the new stream and `next`'s norm of it (the next layer's
+    /// input norm, or the final norm). Each residual add runs with the norm
+    /// after it (one kernel on CUDA; candle's ops, in candle-transformers'
+    /// order, elsewhere).
     pub(crate) fn forward(
         &self,
         x: &Tensor,
+        normed: &Tensor,
+        next: &GemmaRmsNorm,
         rotary: &Rotary,
         cache: &LayerKvCache,
         metadata: &AttentionMetadata,
-    ) -> Result<Tensor> {
-        let h = x.apply(&self.input_layernorm)?;
-        let h = self.self_attn.forward(&h, rotary, cache, metadata)?;
-        let x = (x + h.apply(&self.post_attention_layernorm)?)?;
-        let h = x
-            .apply(&self.pre_feedforward_layernorm)?
+    ) -> Result<(Tensor, Tensor)> {
+        let h = self.self_attn.forward(normed, rotary, cache, metadata)?;
+        let (x, h) = self
+            .pre_feedforward_layernorm
+            .add_forward(x, &h.apply(&self.post_attention_layernorm)?)?;
+        let h = h
             .apply(&self.mlp)?
             .apply(&self.post_feedforward_layernorm)?;
-        x + h
+        next.add_forward(&x, &h)
     }
+
+    /// The layer's input norm of `x` (the first layer's; later layers get
+    /// theirs from the previous layer's last add).
+    pub(crate) fn input_norm(&self, x: &Tensor) -> Result<Tensor> {
+        x.apply(&self.input_layernorm)
+    }
+}
+
+/// Runs `layers` over the embeddings `x`, each layer on its `rotary(layer)`
+/// rows and its cache layer; returns the final norm of the last stream.
+pub(crate) fn run_layers<'r>(
+    layers: &[GemmaDecoderLayer],
+    final_norm: &GemmaRmsNorm,
+    x: Tensor,
+    rotary: impl Fn(&GemmaDecoderLayer) -> &'r Rotary,
+    cache: &PagedKvCache,
+    metadata: &AttentionMetadata,
+) -> Result<Tensor> {
+    let Some(first) = layers.first() else {
+        return x.apply(final_norm);
+    };
+    let mut normed = first.input_norm(&x)?;
+    let mut x = x;
+    for (i, layer) in layers.iter().enumerate() {
+        let next = layers.get(i + 1).map_or(final_norm, |l| &l.input_layernorm);
+        (x, normed) = layer.forward(&x, &normed, next, rotary(layer), cache.layer(i)?, metadata)?;
+    }
+    Ok(normed)
 }
 
 /// Embeddings scaled by `sqrt(hidden_size)`, the final norm and the tied LM
@@ -271,11 +328,20 @@ impl GemmaTrunk {
         self.embed_tokens.forward(input_ids)? * (self.hidden_size as f64).sqrt()
     }
 
-    /// `(num_tokens, hidden)` -> logits `(rows.len(), vocab)` f32.
-    pub(crate) fn logits(&self, component: &str, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
-        let logits = select_rows(component, x, rows)?
-            .apply(&self.norm)?
-            .apply(&self.lm_head)?;
+    /// The final norm, run by the last layer's add ([`run_layers`]).
+    pub(crate) fn norm(&self) -> &GemmaRmsNorm {
+        &self.norm
+    }
+
+    /// The final norm's output `(num_tokens, hidden)` -> logits
+    /// `(rows.len(), vocab)` f32.
+    pub(crate) fn logits(
+        &self,
+        component: &str,
+        normed: &Tensor,
+        rows: &[usize],
+    ) -> Result<Tensor> {
+        let logits = select_rows(component, normed, rows)?.apply(&self.lm_head)?;
         let logits = match self.final_logit_softcapping {
             Some(c) => softcap(&logits, c)?,
             None => logits,
@@ -385,10 +451,15 @@ impl PagedModel for Gemma2 {
         check_input(OP, input_ids, metadata, self.trunk.vocab_size)?;
         check_cache(OP, cache, self.layers.len())?;
         let rotary = self.rotary.at(metadata)?;
-        let mut x = self.trunk.embed(input_ids)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, &rotary, cache.layer(i)?, metadata)?;
-        }
-        self.trunk.logits(OP, &x, rows)
+        let x = self.trunk.embed(input_ids)?;
+        let normed = run_layers(
+            &self.layers,
+            self.trunk.norm(),
+            x,
+            |_| &rotary,
+            cache,
+            metadata,
+        )?;
+        self.trunk.logits(OP, &normed, rows)
     }
 }

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Activation, VarBuilder};
 
 pub use super::gemma2::LayerType;
-use super::gemma2::{GemmaAttentionSpec, GemmaDecoderLayer, GemmaTrunk};
+use super::gemma2::{run_layers, GemmaAttentionSpec, GemmaDecoderLayer, GemmaTrunk};
 use super::limits::{self, DecoderShape};
 use super::rotary::RotaryEmbedding;
 use super::{check_cache, check_input, PagedKvCache, PagedModel, PagedOptions};
@@ -213,12 +213,15 @@ impl PagedModel for Gemma3 {
         check_cache(OP, cache, self.layers.len())?;
         let local = self.rotary_local.at(metadata)?;
         let global = self.rotary_global.at(metadata)?;
-        let mut x = self.trunk.embed(input_ids)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let sliding = layer.self_attn.attn.options().sliding_window.is_some();
-            let rotary = if sliding { &local } else { &global };
-            x = layer.forward(&x, rotary, cache.layer(i)?, metadata)?;
-        }
-        self.trunk.logits(OP, &x, rows)
+        let x = self.trunk.embed(input_ids)?;
+        let rotary = |layer: &GemmaDecoderLayer| {
+            if layer.self_attn.attn.options().sliding_window.is_some() {
+                &local
+            } else {
+                &global
+            }
+        };
+        let normed = run_layers(&self.layers, self.trunk.norm(), x, rotary, cache, metadata)?;
+        self.trunk.logits(OP, &normed, rows)
     }
 }

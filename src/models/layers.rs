@@ -10,24 +10,45 @@ use candle_nn::{Activation, Linear, Module, VarBuilder};
 /// dimension (the `1 + weight` is folded in at load time).
 #[derive(Clone, Debug)]
 pub(crate) struct GemmaRmsNorm {
+    /// `(dim,)` `1 + w`, as candle-transformers holds it (the path off
+    /// CUDA, candle's op).
     weight: Tensor,
+    /// `(dim,)` `w` as stored: the CUDA kernel adds the 1 in f32, so that
+    /// a 16-bit dtype rounds `w` rather than `1 + w`.
+    raw: Tensor,
     eps: f32,
 }
 
 impl GemmaRmsNorm {
     /// Loads `weight` `(dim,)` from `vb`.
     pub(crate) fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        let weight = (vb.get(dim, "weight")? + 1.0)?;
+        let raw = vb.get(dim, "weight")?;
         Ok(Self {
-            weight,
+            weight: (&raw + 1.0)?,
+            raw,
             eps: eps as f32,
         })
+    }
+
+    /// The residual add and this norm: `(x + delta, norm(x + delta))` in
+    /// x's dtype (`delta` x's shape and dtype); one kernel on CUDA, candle's
+    /// ops elsewhere.
+    pub(crate) fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor)> {
+        if x.device().is_cuda() {
+            return crate::add_rms_norm(x, delta, &self.raw, self.eps, 1.0);
+        }
+        let sum = (x + delta)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
     }
 }
 
 impl Module for GemmaRmsNorm {
-    /// `x` - `(..., dim)`; returns the same shape.
+    /// `x` - `(..., dim)`; returns the same shape. One kernel on CUDA.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.device().is_cuda() {
+            return crate::rms_norm(x, &self.raw, self.eps, 1.0);
+        }
         candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
     }
 }

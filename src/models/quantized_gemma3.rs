@@ -53,7 +53,7 @@ use super::gguf::{check_activation_dtype, lm_head, GgufWeights};
 use super::layers::QProjections;
 use super::limits::{self, DecoderShape};
 use super::rotary::{Rotary, RotaryEmbedding};
-use super::{check_cache, check_input, PagedKvCache, PagedModel, PagedOptions};
+use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, PagedOptions};
 use crate::attention::{Attention, AttentionOptions};
 use crate::cache::LayerKvCache;
 use crate::metadata::AttentionMetadata;
@@ -229,6 +229,45 @@ impl GgufGemma3Params {
 struct F32RmsNorm {
     norm: RmsNorm,
     dtype: DType,
+    /// `(dim,)` the stored weight minus 1, f32 and in `dtype`: the CUDA
+    /// kernels add the 1 back in f32 (a 16-bit dtype then rounds `w`,
+    /// not `1 + w`).
+    raw_f32: Tensor,
+    raw: Tensor,
+    eps: f32,
+}
+
+impl F32RmsNorm {
+    /// A norm of the stored `weight` `(dim,)` f32 (`1 + w`), results in
+    /// `dtype`.
+    fn new(weight: Tensor, eps: f64, dtype: DType) -> Result<Self> {
+        let raw_f32 = (&weight - 1.0)?;
+        Ok(Self {
+            raw: raw_f32.to_dtype(dtype)?,
+            raw_f32,
+            norm: RmsNorm::new(weight, eps),
+            dtype,
+            eps: eps as f32,
+        })
+    }
+
+    /// On CUDA: the norm of `x` `(..., dim)` in x's dtype (f32, or the
+    /// activation dtype), computed in f32; one kernel.
+    fn fused(&self, x: &Tensor) -> Result<Tensor> {
+        let w = if x.dtype() == DType::F32 {
+            &self.raw_f32
+        } else {
+            &self.raw
+        };
+        crate::rms_norm(x, w, self.eps, 1.0)
+    }
+
+    /// On CUDA: `(x + delta, norm(x + delta))` for the residual stream
+    /// `x` `(n, dim)` in the activation dtype and `delta` in it or f32;
+    /// one kernel.
+    fn fused_add(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor)> {
+        crate::add_rms_norm(x, delta, &self.raw, self.eps, 1.0)
+    }
 }
 
 impl Module for F32RmsNorm {
@@ -291,6 +330,53 @@ impl Layer {
     fn mlp(&self, x: &Tensor) -> Result<Tensor> {
         let [gate, up] = self.w_gate_up.forward(x)?.map(|t| t.to_dtype(x.dtype()));
         self.w_down.forward(&(gate?.gelu()? * up?)?)
+    }
+
+    /// The CUDA path of [`forward`](Self::forward): the stream `x` and
+    /// its input norm `normed` `(n, H)` -> the new stream and `next`'s norm
+    /// of it. The q/k norms, each residual add with the norm after it, the
+    /// rotation with the cache write and the gated activation run as one
+    /// kernel each.
+    fn forward_fused(
+        &self,
+        x: &Tensor,
+        normed: &Tensor,
+        next: &F32RmsNorm,
+        rotary: &Rotary,
+        cache: &LayerKvCache,
+        metadata: &AttentionMetadata,
+    ) -> Result<(Tensor, Tensor)> {
+        let (h, kvh, d) = (
+            self.attn.num_heads(),
+            self.attn.num_kv_heads(),
+            self.attn.head_size(),
+        );
+        let n = normed.dim(0)?;
+        // In the matmul's output dtype (f32 past 8 rows) throughout: the
+        // fused rotation takes f32 q/k/v and rounds once.
+        let qkv = self.wqkv.forward_joined(normed)?;
+        let q = qkv.narrow(1, 0, h * d)?.reshape((n * h, d))?;
+        let k = qkv.narrow(1, h * d, kvh * d)?.reshape((n * kvh, d))?;
+        let v = qkv.narrow(1, (h + kvh) * d, kvh * d)?;
+        let qkv = Tensor::cat(
+            &[
+                &self.q_norm.fused(&q)?.reshape((n, h * d))?,
+                &self.k_norm.fused(&k)?.reshape((n, kvh * d))?,
+                &v,
+            ],
+            1,
+        )?;
+        let y = self
+            .attn
+            .forward_rotary_qkv(&qkv, rotary.rows(), cache, metadata)?;
+        let a = self.wo.forward(&y)?;
+        let (x, h) = self
+            .ffn_norm
+            .fused_add(x, &self.post_attention_norm.fused(&a)?)?;
+        let gate_up = self.w_gate_up.forward_joined(&h)?;
+        let act = crate::gated_activation(&gate_up, crate::GatedActivation::GeluTanh, x.dtype())?;
+        let m = self.w_down.forward(&act)?;
+        next.fused_add(&x, &self.post_ffw_norm.fused(&m)?)
     }
 
     /// `x` `(n, H)` -> `(n, H)`, in the activation dtype.
@@ -400,10 +486,7 @@ impl QuantizedGemma3 {
         let (hs, d) = (p.hidden_size, p.head_dim);
         let mut w = GgufWeights::new(OP, ct, reader, device, dtype, dequantize)?;
         let norm = |w: &mut GgufWeights<R>, name: &str, dim: usize, out: DType| {
-            Ok::<_, candle_core::Error>(F32RmsNorm {
-                norm: RmsNorm::new(w.dense_f32(name, &[dim])?, p.rms_norm_eps),
-                dtype: out,
-            })
+            F32RmsNorm::new(w.dense_f32(name, &[dim])?, p.rms_norm_eps, out)
         };
         let (embd_q, embd) = w.embeddings(hs)?;
         let vocab_size = embd.dim(0)?;
@@ -517,10 +600,34 @@ impl PagedModel for QuantizedGemma3 {
         if let Some(scale) = self.embed_scale {
             x = (x * scale)?;
         }
+        let rotary = |layer: &Layer| {
+            if layer.attn.options().sliding_window.is_some() {
+                &local
+            } else {
+                &global
+            }
+        };
+        if x.device().is_cuda() {
+            let Some(first) = self.layers.first() else {
+                return lm_head(OP, &x, rows, &self.norm, &self.output);
+            };
+            let mut normed = first.attn_norm.fused(&x)?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.attn_norm);
+                (x, normed) = layer.forward_fused(
+                    &x,
+                    &normed,
+                    next,
+                    rotary(layer),
+                    cache.layer(i)?,
+                    metadata,
+                )?;
+            }
+            let normed = select_rows(OP, &normed, rows)?;
+            return self.output.forward(&normed)?.to_dtype(DType::F32);
+        }
         for (i, layer) in self.layers.iter().enumerate() {
-            let sliding = layer.attn.options().sliding_window.is_some();
-            let rotary = if sliding { &local } else { &global };
-            x = layer.forward(&x, rotary, cache.layer(i)?, metadata)?;
+            x = layer.forward(&x, rotary(layer), cache.layer(i)?, metadata)?;
         }
         lm_head(OP, &x, rows, &self.norm, &self.output)
     }
@@ -708,7 +815,7 @@ mod tests {
     /// Two sequences (11 and 3 prompt tokens, then 3 decodes) with window
     /// groups of 8 blocks of 4: the logits of each step, `(2, vocab)`.
     fn run(model: &dyn PagedModel) -> Result<Vec<Tensor>> {
-        let dev = Device::Cpu;
+        let dev = model.device().clone();
         let cache = PagedKvCache::new(
             &model.attention_layers(),
             CacheConfig {
@@ -735,7 +842,8 @@ mod tests {
         for step in 0..4u32 {
             let batch = manager.schedule(&work, &dev)?;
             let ids = Tensor::new(batch.token_ids.as_slice(), &dev)?;
-            out.push(model.forward(&ids, &batch.metadata, &cache, &batch.last_rows)?);
+            let logits = model.forward(&ids, &batch.metadata, &cache, &batch.last_rows)?;
+            out.push(logits.to_device(&Device::Cpu)?);
             work = (0..2)
                 .map(|i| Work::Decode {
                     seq_id: i,
@@ -835,6 +943,44 @@ mod tests {
                 diff < 3e-2 * scale.max(1.0),
                 "step {step}: bf16 logits differ by {diff}"
             );
+        }
+        // On CUDA the fused layer kernels run (norms with the weight
+        // offset, q/k norms, each residual add with the next norm, the
+        // rotation with the cache write, the gated activation): both models
+        // give the CPU's f32 logits, and bf16 follows within its rounding.
+        #[cfg(feature = "cuda")]
+        if let Ok(gpu) = Device::new_cuda(0) {
+            let weights: HashMap<String, Tensor> = varmap
+                .data()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+                .collect();
+            let check = |what: &str, model: &dyn PagedModel, tol: f32| -> Result<()> {
+                for (step, (a, b)) in run(model)?.iter().zip(&want).enumerate() {
+                    let (diff, scale) = (max_abs(&(a - b)?)?, max_abs(b)?);
+                    println!("{what} step {step}: {diff} of {scale}");
+                    assert!(
+                        diff < tol * scale.max(1.0),
+                        "{what} step {step}: logits differ by {diff}"
+                    );
+                }
+                Ok(())
+            };
+            for dtype in [DType::F32, DType::BF16] {
+                let tol = if dtype == DType::F32 { 1e-4 } else { 3e-2 };
+                let vb = VarBuilder::from_tensors(weights.clone(), dtype, &gpu);
+                check(
+                    &format!("cuda {dtype:?} safetensors"),
+                    &Gemma3::load(vb, &cfg, opts)?,
+                    tol,
+                )?;
+                file.set_position(0);
+                let ct = gguf_file::Content::read(&mut file)?;
+                let q = QuantizedGemma3::from_gguf_with_dtype(&ct, &mut file, &gpu, opts, dtype)?;
+                check(&format!("cuda {dtype:?} gguf"), &q, tol)?;
+            }
         }
         for (dtype, want) in [
             (

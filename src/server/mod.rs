@@ -64,6 +64,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use axum::Router;
 use candle_core::Result;
 
@@ -223,6 +224,14 @@ pub async fn serve(
         shutdown.await;
         let _ = signal_tx.send(true);
     };
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's
+    // algorithm holds one back until the previous one is acknowledged, and
+    // a client's delayed ACK then stalls the stream for tens of ms.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            eprintln!("server: TCP_NODELAY on a connection: {e}");
+        }
+    });
     let app = axum::serve(listener, server.router())
         .with_graceful_shutdown(graceful)
         .into_future();
