@@ -66,7 +66,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use candle_paged_attention::models::generation::SchedulerConfig;
+use candle_paged_attention::engine::SchedulerConfig;
 use candle_paged_attention::models::tokenizer::{ModelTokenizer, SpecialTokens};
 use candle_paged_attention::models::{
     llama, load, CacheConfig, LoadOptions, PagedKvCache, PagedModel, PagedOptions,

@@ -17,7 +17,7 @@
 //!   reference implementation.
 //! * `engine`: [`models::PagedModel`] (the interface of a paged model),
 //!   [`models::PagedKvCache`], rotary embeddings and the continuous-batching
-//!   [`models::generation::Engine`], for models of your own.
+//!   [`engine::Engine`], for models of your own.
 //! * `models`: `engine` plus paged Llama / Gemma 2 / Gemma 3 (safetensors
 //!   and GGUF), tokenizers from the checkpoint and chat templates.
 //! * `hub`: `models` plus downloads from the Hugging Face hub.
@@ -65,6 +65,8 @@ mod cache;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "engine")]
+pub mod engine;
 mod metadata;
 #[cfg(feature = "engine")]
 pub mod models;
@@ -76,7 +78,7 @@ pub mod remap;
 pub mod server;
 
 // One public path per item: the modules above are private and their items
-// are re-exported here; `models`, `reference` and `remap` are public
+// are re-exported here; `engine`, `models`, `reference` and `remap` are public
 // namespaces of many items and are not re-exported.
 pub use attention::{Attention, AttentionOptions, KvCacheDtype};
 pub use batch::{BatchHost, PagedBatch, PrefixRanges, SlotMapping};

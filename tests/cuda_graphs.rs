@@ -25,7 +25,7 @@ use anyhow::{ensure, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_paged_attention::models::generation::{
+use candle_paged_attention::engine::{
     DecodeGraphs, Engine, EngineStats, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::{

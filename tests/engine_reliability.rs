@@ -14,7 +14,7 @@ mod engine_mock;
 use anyhow::{ensure, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
-use candle_paged_attention::models::generation::{
+use candle_paged_attention::engine::{
     Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::{quantized_llama, PagedModel, PagedOptions};

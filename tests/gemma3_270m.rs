@@ -22,9 +22,7 @@ use std::sync::Mutex;
 use anyhow::{ensure, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor, D};
-use candle_paged_attention::models::generation::{
-    Engine, Request, SamplingParams, SchedulerConfig,
-};
+use candle_paged_attention::engine::{Engine, Request, SamplingParams, SchedulerConfig};
 use candle_paged_attention::models::quantized_gemma3::{GgufGemma3Params, QuantizedGemma3};
 use candle_paged_attention::models::{CacheConfig, PagedKvCache, PagedModel, PagedOptions};
 use gemma3_prompts::{decode, margins, paged_logits, prompts, story_prompt, vocabulary, WINDOW};

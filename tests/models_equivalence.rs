@@ -16,9 +16,7 @@ use anyhow::{ensure, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
-use candle_paged_attention::models::generation::{
-    Engine, Request, SamplingParams, SchedulerConfig,
-};
+use candle_paged_attention::engine::{Engine, Request, SamplingParams, SchedulerConfig};
 use candle_paged_attention::models::{
     chat, gemma2, gemma3, llama, quantized_llama, tokenizer, CacheConfig, PagedKvCache, PagedModel,
     PagedOptions,

@@ -26,10 +26,8 @@ use candle_core::{Error, Result};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use super::metrics::Metrics;
+use crate::engine::{Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig};
 use crate::models::chat::ChatTemplate;
-use crate::models::generation::{
-    Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
-};
 use crate::models::tokenizer::ModelTokenizer;
 use crate::models::{PagedKvCache, PagedModel};
 

@@ -30,8 +30,8 @@ use super::error::ApiError;
 use super::metrics::Metrics;
 use super::protocol::*;
 use super::text::Detokenizer;
+use crate::engine::{FinishReason, SamplingParams};
 use crate::models::chat::{ChatMessage, ChatTemplate};
-use crate::models::generation::{FinishReason, SamplingParams};
 use crate::models::tokenizer::ModelTokenizer;
 
 const CHAT: &str = "/v1/chat/completions";

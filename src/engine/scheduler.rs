@@ -327,7 +327,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// token, at most 256 of them) on a CUDA device run as CUDA-graph
     /// replays: on (the default), each batch bucket and table width is
     /// captured on its first step and replayed after (see
-    /// [`DecodeGraphs`](crate::models::generation::DecodeGraphs), feature
+    /// [`DecodeGraphs`](crate::engine::DecodeGraphs), feature
     /// `cuda`); off, every step launches its kernels one by one. Prefills
     /// and mixed steps always run eagerly; on the CPU, or built without the
     /// `cuda` feature, this has no effect. The tokens are the same either way.
@@ -345,7 +345,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
 
     /// Captures, before any request runs, the decode graphs of every batch
     /// bucket up to `max_num_seqs` sequences (see
-    /// [`BATCH_BUCKETS`](crate::models::generation::BATCH_BUCKETS)) for
+    /// [`BATCH_BUCKETS`](crate::engine::BATCH_BUCKETS)) for
     /// sequences of up to `max_context` tokens, so that no step pays for a
     /// capture later (vLLM captures at start-up too). Returns the graphs
     /// ready; 0 when graphs are off or unavailable (see
