@@ -50,13 +50,13 @@ use candle_paged_attention::engine::{
     CachePlan, CacheSizing, Completion, Engine, EngineStats, FinishReason, Request, SamplingParams,
     SchedulerConfig, DEFAULT_CPU_KV_BYTES,
 };
-use candle_paged_attention::models::chat::{self, ChatMessage, ChatTemplate};
-use candle_paged_attention::models::fetch::fetch_model;
-#[cfg(feature = "hub")]
-use candle_paged_attention::models::hub::{self, CheckpointFiles};
 use candle_paged_attention::models::registry::{Dequantize, LoadOptions};
-use candle_paged_attention::models::tokenizer::{self, ModelTokenizer, TextStream};
 use candle_paged_attention::models::{self, CacheConfig, PagedKvCache, PagedModel, PagedOptions};
+use candle_paged_attention::text::chat::{self, ChatMessage, ChatTemplate};
+use candle_paged_attention::text::fetch::fetch_model;
+#[cfg(feature = "hub")]
+use candle_paged_attention::text::hub::{self, CheckpointFiles};
+use candle_paged_attention::text::tokenizer::{self, ModelTokenizer, TextStream};
 use candle_paged_attention::{Attention, KvCacheDtype, KvScales};
 use clap::Parser;
 

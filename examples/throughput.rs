@@ -286,10 +286,10 @@ struct Loaded {
     note: Option<String>,
 }
 
-/// Runs `scripts/{name}` (found by `models::fetch`) and returns the model
+/// Runs `scripts/{name}` (found by `text::fetch`) and returns the model
 /// path it prints.
 fn fetch(name: &str) -> Result<PathBuf> {
-    Ok(candle_paged_attention::models::fetch::fetch_model(name)?)
+    Ok(candle_paged_attention::text::fetch::fetch_model(name)?)
 }
 
 /// Ids of the GGUF vocabulary's ordinary tokens (token type 1; control,

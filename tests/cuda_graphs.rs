@@ -280,7 +280,7 @@ fn smollm2_path() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("CPA_SMOLLM2_GGUF") {
         return Ok(PathBuf::from(p));
     }
-    Ok(candle_paged_attention::models::fetch::fetch_model(
+    Ok(candle_paged_attention::text::fetch::fetch_model(
         "fetch-smollm2.sh",
     )?)
 }

@@ -36,7 +36,7 @@ const NEW_TOKENS: usize = 16;
 const CHUNK: usize = 160;
 
 fn gemma3_path() -> Result<PathBuf> {
-    Ok(candle_paged_attention::models::fetch::fetch_model(
+    Ok(candle_paged_attention::text::fetch::fetch_model(
         "fetch-gemma3.sh",
     )?)
 }

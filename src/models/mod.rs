@@ -39,19 +39,13 @@
 // Feature `engine`: the model interface, the paged cache and rotary
 // embeddings. Feature `models` adds the models and their loaders.
 #[cfg(feature = "models")]
-pub mod chat;
-#[cfg(feature = "models")]
 pub mod decoder;
-#[cfg(feature = "models")]
-pub mod fetch;
 #[cfg(feature = "models")]
 pub mod gemma2;
 #[cfg(feature = "models")]
 pub mod gemma3;
 #[cfg(feature = "models")]
 mod gguf;
-#[cfg(feature = "models")]
-pub mod hub;
 mod kv_cache;
 #[cfg(feature = "models")]
 mod layers;
@@ -74,8 +68,6 @@ pub mod qwen3;
 #[cfg(feature = "models")]
 pub mod registry;
 mod rotary;
-#[cfg(feature = "models")]
-pub mod tokenizer;
 
 use candle_core::{DType, Device, Result, Tensor};
 

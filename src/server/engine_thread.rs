@@ -27,9 +27,9 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use super::metrics::Metrics;
 use crate::engine::{Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig};
-use crate::models::chat::ChatTemplate;
-use crate::models::tokenizer::ModelTokenizer;
 use crate::models::{PagedKvCache, PagedModel};
+use crate::text::chat::ChatTemplate;
+use crate::text::tokenizer::ModelTokenizer;
 
 const OP: &str = "engine thread";
 
