@@ -3,12 +3,21 @@
 //! prefilled in chunks that fit a per-step token budget, mixed with the
 //! decodes of the other sequences.
 //!
+//! Each [`Engine::step`] is schedule, run, update: the scheduler
+//! (`scheduler.rs`: admission in first-come-first-served order, the
+//! chunked-prefill token budget, preemption) picks the step's work; the
+//! model runner (`runner.rs`: the batch's metadata and device tensors, the
+//! forward pass, the CUDA graphs of decode steps, the greedy rows' argmax)
+//! runs it; the engine samples and feeds the tokens back to their requests
+//! (`request.rs`), or rolls the step back when the forward pass fails.
+//! [`CacheSizing`] and [`MemoryProfile`] size the cache before an engine is
+//! built.
+//!
 //! # Example
-//! A tiny Llama with random weights (feature `models`; any
-//! [`PagedModel`](crate::models::PagedModel) works) completes three greedy
-//! requests in one continuous batch: the two with the same prompt get the
-//! same tokens, the same as that prompt alone in another engine, and every
-//! cache block is free at the end.
+//! A tiny Llama with random weights (feature `models`; any [`PagedModel`]
+//! works) completes three greedy requests in one continuous batch: the
+//! two with the same prompt get the same tokens, the same as that prompt
+//! alone in another engine, and every cache block is free at the end.
 //! ```
 //! # #[cfg(feature = "models")]
 //! # fn main() -> candle_core::Result<()> {
@@ -196,7 +205,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
 
     /// Captures, before any request runs, the decode graphs of every batch
     /// bucket up to `max_num_seqs` sequences (see
-    /// [`BATCH_BUCKETS`](crate::engine::BATCH_BUCKETS)) for
+    /// [`BATCH_BUCKETS`]) for
     /// sequences of up to `max_context` tokens, so that no step pays for a
     /// capture later (vLLM captures at start-up too). Returns the graphs
     /// ready; 0 when graphs are off or unavailable (see
