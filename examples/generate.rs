@@ -46,19 +46,17 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
-use candle_paged_attention::models::chat::{self, ChatMessage, ChatTemplate};
-use candle_paged_attention::models::fetch::fetch_model;
-use candle_paged_attention::models::generation::{
-    Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
+use candle_paged_attention::engine::{
+    CachePlan, CacheSizing, Completion, Engine, EngineStats, FinishReason, Request, SamplingParams,
+    SchedulerConfig, DEFAULT_CPU_KV_BYTES,
 };
-#[cfg(feature = "hub")]
-use candle_paged_attention::models::hub::{self, CheckpointFiles};
 use candle_paged_attention::models::registry::{Dequantize, LoadOptions};
-use candle_paged_attention::models::tokenizer::{self, ModelTokenizer, TextStream};
-use candle_paged_attention::models::{
-    self, CacheConfig, CachePlan, CacheSizing, PagedKvCache, PagedModel, PagedOptions,
-    DEFAULT_CPU_KV_BYTES,
-};
+use candle_paged_attention::models::{self, CacheConfig, PagedKvCache, PagedModel, PagedOptions};
+use candle_paged_attention::text::chat::{self, ChatMessage, ChatTemplate};
+use candle_paged_attention::text::fetch::fetch_model;
+#[cfg(feature = "hub")]
+use candle_paged_attention::text::hub::{self, CheckpointFiles};
+use candle_paged_attention::text::tokenizer::{self, ModelTokenizer, TextStream};
 use candle_paged_attention::{Attention, KvCacheDtype, KvScales};
 use clap::Parser;
 
@@ -362,7 +360,7 @@ fn read_prompts(args: &Args) -> Result<Vec<String>> {
 /// `--gpu-memory-utilization`, or its default.
 fn gpu_memory_utilization(args: &Args) -> f64 {
     args.gpu_memory_utilization
-        .unwrap_or(candle_paged_attention::models::DEFAULT_GPU_MEMORY_UTILIZATION)
+        .unwrap_or(candle_paged_attention::engine::DEFAULT_GPU_MEMORY_UTILIZATION)
 }
 
 /// A note when `--gpu-memory-utilization` is given where it sizes nothing:

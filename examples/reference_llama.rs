@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor, D};
-use candle_paged_attention::models::{chat, tokenizer};
+use candle_paged_attention::text::{chat, tokenizer};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use clap::Parser;
 
@@ -34,7 +34,7 @@ fn model_path(arg: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
     if let Some(p) = arg {
         return Ok(p);
     }
-    Ok(candle_paged_attention::models::fetch::fetch_model(
+    Ok(candle_paged_attention::text::fetch::fetch_model(
         "fetch-smollm2.sh",
     )?)
 }

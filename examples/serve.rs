@@ -15,11 +15,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
-use candle_paged_attention::models::generation::SchedulerConfig;
-use candle_paged_attention::models::{
-    load, CacheConfig, CacheSizing, LoadOptions, PagedKvCache, PagedOptions, DEFAULT_CPU_KV_BYTES,
-    DEFAULT_GPU_MEMORY_UTILIZATION,
+use candle_paged_attention::engine::{
+    CacheSizing, SchedulerConfig, DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
+use candle_paged_attention::models::{load, CacheConfig, LoadOptions, PagedKvCache, PagedOptions};
 use candle_paged_attention::server::{serve, LoadedModel, ServeConfig, Server};
 use clap::Parser;
 

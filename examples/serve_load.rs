@@ -66,12 +66,12 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use candle_paged_attention::models::generation::SchedulerConfig;
-use candle_paged_attention::models::tokenizer::{ModelTokenizer, SpecialTokens};
+use candle_paged_attention::engine::SchedulerConfig;
 use candle_paged_attention::models::{
     llama, load, CacheConfig, LoadOptions, PagedKvCache, PagedModel, PagedOptions,
 };
 use candle_paged_attention::server::{serve, LoadedModel, ServeConfig, Server};
+use candle_paged_attention::text::tokenizer::{ModelTokenizer, SpecialTokens};
 use clap::Parser;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

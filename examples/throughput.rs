@@ -112,10 +112,10 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use candle_paged_attention::models::generation::SchedulerConfig;
+use candle_paged_attention::engine::{CacheSizing, SchedulerConfig};
 use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
 use candle_paged_attention::models::{
-    llama, quantized_llama, CacheConfig, CacheSizing, PagedKvCache, PagedModel, PagedOptions,
+    llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
 };
 use candle_paged_attention::Attention;
 
@@ -212,7 +212,7 @@ struct Args {
     kv_memory_mb: Option<usize>,
     /// On CUDA, the fraction of the device memory the process may use (the
     /// KV cache takes what the weights and a profiled step leave of it).
-    #[arg(long, default_value_t = candle_paged_attention::models::DEFAULT_GPU_MEMORY_UTILIZATION)]
+    #[arg(long, default_value_t = candle_paged_attention::engine::DEFAULT_GPU_MEMORY_UTILIZATION)]
     gpu_memory_utilization: f64,
     /// Token budget of one engine step (prompts are prefilled in chunks).
     #[arg(long, default_value_t = 512)]
@@ -286,10 +286,10 @@ struct Loaded {
     note: Option<String>,
 }
 
-/// Runs `scripts/{name}` (found by `models::fetch`) and returns the model
+/// Runs `scripts/{name}` (found by `text::fetch`) and returns the model
 /// path it prints.
 fn fetch(name: &str) -> Result<PathBuf> {
-    Ok(candle_paged_attention::models::fetch::fetch_model(name)?)
+    Ok(candle_paged_attention::text::fetch::fetch_model(name)?)
 }
 
 /// Ids of the GGUF vocabulary's ordinary tokens (token type 1; control,

@@ -17,9 +17,10 @@
 //!   reference implementation.
 //! * `engine`: [`models::PagedModel`] (the interface of a paged model),
 //!   [`models::PagedKvCache`], rotary embeddings and the continuous-batching
-//!   [`models::generation::Engine`], for models of your own.
+//!   [`engine::Engine`], for models of your own.
 //! * `models`: `engine` plus paged Llama / Gemma 2 / Gemma 3 (safetensors
-//!   and GGUF), tokenizers from the checkpoint and chat templates.
+//!   and GGUF), tokenizers from the checkpoint and chat templates
+//!   ([`text`]).
 //! * `hub`: `models` plus downloads from the Hugging Face hub.
 //! * `cuda`: the CUDA kernels (needs the CUDA toolkit to build).
 //!
@@ -65,6 +66,8 @@ mod cache;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "engine")]
+pub mod engine;
 mod metadata;
 #[cfg(feature = "engine")]
 pub mod models;
@@ -74,10 +77,12 @@ pub mod reference;
 pub mod remap;
 #[cfg(feature = "server")]
 pub mod server;
+#[cfg(feature = "models")]
+pub mod text;
 
 // One public path per item: the modules above are private and their items
-// are re-exported here; `models`, `reference` and `remap` are public
-// namespaces of many items and are not re-exported.
+// are re-exported here; `engine`, `models`, `reference`, `remap` and `text`
+// are public namespaces of many items and are not re-exported.
 pub use attention::{Attention, AttentionOptions, KvCacheDtype};
 pub use batch::{BatchHost, PagedBatch, PrefixRanges, SlotMapping};
 pub use cache::{

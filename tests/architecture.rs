@@ -4,6 +4,12 @@
 //!   it (`ops` validates and calls them), and they never import each other.
 //! * `params` is a leaf below `ops` and both backends: it imports only
 //!   `batch` from this crate.
+//! * The serving half, in layers: `text` (tokenizers, chat templates,
+//!   checkpoint files) imports none of `models`, `engine`, `server`;
+//!   `models` (the paged model interface and the model zoo, whose loaders
+//!   may use `text`) imports neither `engine` nor `server`; `engine` (the
+//!   continuous-batching engine) imports `models`, the cache and the ops,
+//!   never `text` or `server`; `server` may import all three.
 //!
 //! Paths are resolved to the crate root: `crate::x`, `super::...::x` (from
 //! the file's own module) and grouped `crate::{x, y}` all count.
@@ -225,4 +231,78 @@ fn only_the_module_root_and_the_examples_sit_above_the_registry() {
         .collect();
     bad.sort();
     assert_eq!(bad, Vec::<String>::new());
+}
+
+/// The top-level modules the serving half may not import, by module.
+const SERVING_LAYERS: [(&str, &[&str]); 3] = [
+    ("text", &["models", "engine", "server"]),
+    ("models", &["engine", "server"]),
+    ("engine", &["text", "server"]),
+];
+
+/// What the serving layer `dir` may not import.
+fn serving_rule(dir: &str) -> &'static [&'static str] {
+    SERVING_LAYERS
+        .iter()
+        .find(|(d, _)| *d == dir)
+        .map(|(_, forbidden)| *forbidden)
+        .expect("a serving layer")
+}
+
+#[test]
+fn text_imports_no_model_engine_or_server() {
+    assert_eq!(
+        violations("text", serving_rule("text")),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
+fn models_import_neither_the_engine_nor_the_server() {
+    assert_eq!(
+        violations("models", serving_rule("models")),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
+fn the_engine_imports_neither_text_nor_the_server() {
+    assert_eq!(
+        violations("engine", serving_rule("engine")),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
+fn the_serving_rules_see_the_imports_they_allow() {
+    // Each rule scans its module's files: the imports that are allowed are
+    // found there, so a forbidden one would be too.
+    for (dir, allowed) in [
+        ("engine", "models"),
+        ("engine", "cache"),
+        ("models", "text"),
+        ("server", "engine"),
+        ("server", "text"),
+    ] {
+        assert!(
+            !violations(dir, &[allowed]).is_empty(),
+            "src/{dir} is expected to import crate::{allowed}"
+        );
+    }
+    // And the checker catches a forbidden import in each of their forms.
+    for (dir, forbidden) in SERVING_LAYERS {
+        let module = vec![dir.to_string(), "x".to_string()];
+        for f in forbidden {
+            for text in [
+                format!("use crate::{f}::Y;"),
+                format!("use super::super::{f}::Y;"),
+                format!("use crate::{{cache, {f}::Y}};"),
+            ] {
+                assert!(
+                    referenced_top_modules(&module, &text).contains(&f.to_string()),
+                    "{text}"
+                );
+            }
+        }
+    }
 }

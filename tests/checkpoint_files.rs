@@ -1,8 +1,8 @@
 //! Finding a checkpoint's files and the fetch scripts, on folders made here:
-//! * `models::hub` - what to download from a repository listing, the shards
+//! * `text::hub` - what to download from a repository listing, the shards
 //!   of a safetensors index, the files of a local checkpoint and of a
 //!   snapshot laid out as the Hugging Face hub cache lays it out;
-//! * `models::fetch` - where a fetch script is found (environment variable,
+//! * `text::fetch` - where a fetch script is found (environment variable,
 //!   beside the executable, crate source) and the error that names a
 //!   missing `bash`, `python3` or `pip`.
 
@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{ensure, Result};
-use candle_paged_attention::models::fetch::{run_fetch_script, ScriptSearch, SCRIPTS_ENV};
-use candle_paged_attention::models::hub::{
+use candle_paged_attention::text::fetch::{run_fetch_script, ScriptSearch, SCRIPTS_ENV};
+use candle_paged_attention::text::hub::{
     cached_checkpoint, cached_snapshot, checkpoint_files, files_to_download, index_shards,
     CheckpointFiles, RepoPlan, SafetensorsFiles,
 };

@@ -25,7 +25,7 @@ use anyhow::{ensure, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_paged_attention::models::generation::{
+use candle_paged_attention::engine::{
     DecodeGraphs, Engine, EngineStats, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::{
@@ -280,7 +280,7 @@ fn smollm2_path() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("CPA_SMOLLM2_GGUF") {
         return Ok(PathBuf::from(p));
     }
-    Ok(candle_paged_attention::models::fetch::fetch_model(
+    Ok(candle_paged_attention::text::fetch::fetch_model(
         "fetch-smollm2.sh",
     )?)
 }

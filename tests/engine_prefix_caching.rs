@@ -15,7 +15,7 @@ mod engine_mock;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use candle_paged_attention::models::generation::{
+use candle_paged_attention::engine::{
     Completion, Engine, EngineStats, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::{llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions};

@@ -21,7 +21,7 @@ mod engine_mock;
 
 use std::collections::HashMap;
 
-use candle_paged_attention::models::generation::{
+use candle_paged_attention::engine::{
     Completion, Engine, EngineStats, FinishReason, Request, SamplingParams, SchedulerConfig,
     TokenEvent,
 };

@@ -14,7 +14,7 @@ mod engine_mock;
 use anyhow::{ensure, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
-use candle_paged_attention::models::generation::{
+use candle_paged_attention::engine::{
     Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::{quantized_llama, PagedModel, PagedOptions};
@@ -480,7 +480,7 @@ fn abort_cancels_waiting_and_running_requests() -> Result<()> {
 /// out-of-vocabulary id before embedding it.
 #[test]
 fn gguf_context_length_sizes_the_model() -> Result<()> {
-    let path = candle_paged_attention::models::fetch::fetch_model("fetch-smollm2.sh")?;
+    let path = candle_paged_attention::text::fetch::fetch_model("fetch-smollm2.sh")?;
     let mut file = std::fs::File::open(&path)?;
     let ct = gguf_file::Content::read(&mut file)?;
     let dev = Device::Cpu;

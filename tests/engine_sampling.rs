@@ -6,9 +6,7 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_paged_attention::models::generation::{
-    Engine, Request, SamplingParams, SchedulerConfig,
-};
+use candle_paged_attention::engine::{Engine, Request, SamplingParams, SchedulerConfig};
 use candle_paged_attention::models::{CacheConfig, PagedKvCache, PagedModel};
 use candle_paged_attention::{Attention, AttentionMetadata, AttentionOptions};
 

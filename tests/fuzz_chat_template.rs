@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use candle_paged_attention::models::chat::{ChatMessage, ChatTemplate};
+use candle_paged_attention::text::chat::{ChatMessage, ChatTemplate};
 use proptest::prelude::*;
 
 /// A bound for a loop: mostly small, sometimes large.

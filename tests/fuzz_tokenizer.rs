@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use candle_core::quantized::gguf_file::{Content, Value as GgufValue, VersionedMagic};
-use candle_paged_attention::models::tokenizer::{self, ModelTokenizer};
+use candle_paged_attention::text::tokenizer::{self, ModelTokenizer};
 use proptest::prelude::*;
 use serde_json::Value;
 use tokenizers::models::bpe::BPE;

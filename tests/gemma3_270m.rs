@@ -22,9 +22,7 @@ use std::sync::Mutex;
 use anyhow::{ensure, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor, D};
-use candle_paged_attention::models::generation::{
-    Engine, Request, SamplingParams, SchedulerConfig,
-};
+use candle_paged_attention::engine::{Engine, Request, SamplingParams, SchedulerConfig};
 use candle_paged_attention::models::quantized_gemma3::{GgufGemma3Params, QuantizedGemma3};
 use candle_paged_attention::models::{CacheConfig, PagedKvCache, PagedModel, PagedOptions};
 use gemma3_prompts::{decode, margins, paged_logits, prompts, story_prompt, vocabulary, WINDOW};
@@ -38,7 +36,7 @@ const NEW_TOKENS: usize = 16;
 const CHUNK: usize = 160;
 
 fn gemma3_path() -> Result<PathBuf> {
-    Ok(candle_paged_attention::models::fetch::fetch_model(
+    Ok(candle_paged_attention::text::fetch::fetch_model(
         "fetch-gemma3.sh",
     )?)
 }

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{ensure, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, D};
-use candle_paged_attention::models::generation::{
+use candle_paged_attention::engine::{
     Engine, EngineStats, Request, SamplingParams, SchedulerConfig,
 };
 use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;

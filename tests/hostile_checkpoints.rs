@@ -298,7 +298,7 @@ fn the_tiny_safetensors_models_load_and_run() -> Result<()> {
 /// fed to the model (in its prompt, or generated and fed back), never with
 /// a token picked from NaN logits; the others finish; every block is freed.
 fn nan_logits_end_their_requests(dev: &Device) -> Result<()> {
-    use candle_paged_attention::models::generation::{
+    use candle_paged_attention::engine::{
         Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
     };
     use candle_paged_attention::models::{CacheConfig, PagedKvCache};

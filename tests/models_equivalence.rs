@@ -16,13 +16,11 @@ use anyhow::{ensure, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
-use candle_paged_attention::models::generation::{
-    Engine, Request, SamplingParams, SchedulerConfig,
-};
+use candle_paged_attention::engine::{Engine, Request, SamplingParams, SchedulerConfig};
 use candle_paged_attention::models::{
-    chat, gemma2, gemma3, llama, quantized_llama, tokenizer, CacheConfig, PagedKvCache, PagedModel,
-    PagedOptions,
+    gemma2, gemma3, llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
 };
+use candle_paged_attention::text::{chat, tokenizer};
 use candle_paged_attention::{BlockManager, Work};
 use candle_transformers::models as ct;
 use rand::{Rng, SeedableRng};
@@ -689,7 +687,7 @@ fn engine_rejects_what_cannot_run() -> Result<()> {
 // ---------------------------------------------------------------- SmolLM2
 
 fn smollm2_path() -> Result<PathBuf> {
-    Ok(candle_paged_attention::models::fetch::fetch_model(
+    Ok(candle_paged_attention::text::fetch::fetch_model(
         "fetch-smollm2.sh",
     )?)
 }

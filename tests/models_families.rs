@@ -19,9 +19,7 @@ use std::collections::HashMap;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
-use candle_paged_attention::models::generation::{
-    Engine, Request, SamplingParams, SchedulerConfig,
-};
+use candle_paged_attention::engine::{Engine, Request, SamplingParams, SchedulerConfig};
 use candle_paged_attention::models::{
     self, mistral, phi3, qwen2, qwen3, CacheConfig, LoadOptions, PagedKvCache, PagedModel,
     PagedOptions,

@@ -22,9 +22,7 @@ use anyhow::{ensure, Result};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor, D};
-use candle_paged_attention::models::generation::{
-    Engine, Request, SamplingParams, SchedulerConfig,
-};
+use candle_paged_attention::engine::{Engine, Request, SamplingParams, SchedulerConfig};
 use candle_paged_attention::models::limits::read_gguf;
 use candle_paged_attention::models::quantized_llama::{GgufFamily, QuantizedLlama};
 use candle_paged_attention::models::{

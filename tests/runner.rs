@@ -385,7 +385,7 @@ fn fp8_cache_top_k_and_repeat_penalty_run() -> Result<()> {
 
 #[test]
 fn q4_gguf_weights_are_dequantized_on_the_cpu_unless_kept() -> Result<()> {
-    let path = candle_paged_attention::models::fetch::fetch_model("fetch-smollm2.sh")?;
+    let path = candle_paged_attention::text::fetch::fetch_model("fetch-smollm2.sh")?;
     let ct = candle_core::quantized::gguf_file::Content::read(&mut std::fs::File::open(&path)?)?;
     let args = |flags: &[&str]| {
         generate::Args::try_parse_from(std::iter::once("generate").chain(flags.iter().copied()))
@@ -450,10 +450,10 @@ fn model_id_needs_the_hub_feature_and_its_flags_need_it() -> Result<()> {
 fn a_sharded_safetensors_directory_loads_through_its_index() -> Result<()> {
     use candle_core::{DType, Device};
     use candle_nn::{VarBuilder, VarMap};
-    use candle_paged_attention::models::tokenizer::ModelTokenizer;
     use candle_paged_attention::models::{llama, PagedOptions};
+    use candle_paged_attention::text::tokenizer::ModelTokenizer;
 
-    let gguf = candle_paged_attention::models::fetch::fetch_model("fetch-smollm2.sh")?;
+    let gguf = candle_paged_attention::text::fetch::fetch_model("fetch-smollm2.sh")?;
     let ct = candle_core::quantized::gguf_file::Content::read(&mut std::fs::File::open(&gguf)?)?;
     let tok = ModelTokenizer::from_gguf(&ct)?;
     let dir = std::env::temp_dir().join(format!("cpa-runner-shards-{}", std::process::id()));

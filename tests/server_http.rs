@@ -9,13 +9,11 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
-use candle_paged_attention::models::chat::{ChatMessage, ChatTemplate};
-use candle_paged_attention::models::generation::{
-    Engine, Request, SamplingParams, SchedulerConfig,
-};
-use candle_paged_attention::models::tokenizer::{ModelTokenizer, SpecialTokens};
+use candle_paged_attention::engine::{Engine, Request, SamplingParams, SchedulerConfig};
 use candle_paged_attention::models::{llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions};
 use candle_paged_attention::server::{serve, LoadedModel, ServeConfig, Server};
+use candle_paged_attention::text::chat::{ChatMessage, ChatTemplate};
+use candle_paged_attention::text::tokenizer::{ModelTokenizer, SpecialTokens};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 

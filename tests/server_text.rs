@@ -3,8 +3,8 @@
 //! decoding gives the text of the whole decoding, and stop strings cut it
 //! wherever they fall.
 
-use candle_paged_attention::models::tokenizer::decode;
 use candle_paged_attention::server::text::{Detokenizer, IncrementalDecoder};
+use candle_paged_attention::text::tokenizer::decode;
 use serde_json::{json, Value};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::Tokenizer;

@@ -22,8 +22,8 @@ use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::quantized::gguf_file::{self, Content, Value as GgufValue, VersionedMagic};
-use candle_paged_attention::models::chat::{self, ChatMessage, ChatTemplate, PromptSegment};
-use candle_paged_attention::models::tokenizer::{self, ModelTokenizer};
+use candle_paged_attention::text::chat::{self, ChatMessage, ChatTemplate, PromptSegment};
+use candle_paged_attention::text::tokenizer::{self, ModelTokenizer};
 use serde_json::Value;
 
 fn fixture() -> Result<Value> {
@@ -65,7 +65,7 @@ fn reference_ids(fx: &Value, kind: &str) -> Vec<Vec<u32>> {
 }
 
 fn smollm2_path() -> Result<PathBuf> {
-    Ok(candle_paged_attention::models::fetch::fetch_model(
+    Ok(candle_paged_attention::text::fetch::fetch_model(
         "fetch-smollm2.sh",
     )?)
 }

@@ -13,8 +13,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use candle_paged_attention::models::generation::SchedulerConfig;
-use candle_paged_attention::models::generation::{Engine, EngineStats, Request, SamplingParams};
+use candle_paged_attention::engine::SchedulerConfig;
+use candle_paged_attention::engine::{Engine, EngineStats, Request, SamplingParams};
 use candle_paged_attention::models::{PagedKvCache, PagedModel};
 
 use super::stats::{RunStats, Timeline};

@@ -23,103 +23,29 @@
 //!   (`QMatMul`), with Hugging Face's sliding window and activation.
 //! * [`gemma2::Gemma2`], [`gemma3::Gemma3`] - softcapping, alternating
 //!   sliding-window and global layers, Gemma 3's q/k norms and rope bases.
-//! * [`tokenizer`] - tokenizers from the checkpoint: GGUF GPT-2 BPE and
-//!   SentencePiece vocabularies, `tokenizer.json`; special tokens.
-//! * [`chat`] - the checkpoint's chat template, rendered with `minijinja`.
-//! * [`generation`] - sampling and a continuous-batching [`generation::Engine`].
 //! * [`registry`] - one table from a checkpoint's architecture to its
 //!   loaders, and [`load`]: a GGUF file or a safetensors folder into a
 //!   model, its tokenizer and its chat template.
-//! * [`hub`] - which files of a checkpoint to load (a GGUF file, or a
-//!   safetensors directory and its shards), from a local folder, the Hugging
-//!   Face hub cache or, with the `hub` feature, a download.
 //! * [`limits`] - limits on what a checkpoint controls, checked before
 //!   loading: GGUF headers and tensors ([`limits::read_gguf`]), decoder
 //!   hyper-parameters.
-//! * [`fetch`] - the offline fetch scripts (`scripts/fetch-*.sh`): finding
-//!   and running them.
 //!
-//! Feature `engine` holds [`PagedModel`], [`PagedKvCache`], the rotary
-//! embeddings and [`generation`] (the engine), for models of your own;
-//! feature `models` adds the models, their loaders, tokenizers and chat
-//! templates.
-//!
-//! # Example: the engine
-//! A tiny Llama with random weights (feature `models`; any [`PagedModel`]
-//! works) completes three greedy requests in one continuous batch: the
-//! two with the same prompt get the same tokens, the same as that prompt
-//! alone in another engine, and every cache block is free at the end.
-//! ```
-//! # #[cfg(feature = "models")]
-//! # fn main() -> candle_core::Result<()> {
-//! use candle_core::{DType, Device};
-//! use candle_nn::{VarBuilder, VarMap};
-//! use candle_paged_attention::models::generation::{
-//!     Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
-//! };
-//! use candle_paged_attention::models::{llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions};
-//!
-//! let dev = Device::Cpu;
-//! let cfg: llama::LlamaConfig = serde_json::from_str(
-//!     r#"{"hidden_size": 32, "intermediate_size": 48, "vocab_size": 64,
-//!         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-//!         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128}"#,
-//! ).map_err(candle_core::Error::wrap)?;
-//! let varmap = VarMap::new(); // random weights
-//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-//! let model = llama::Llama::load(vb, &cfg.into_config(false), PagedOptions::default())?;
-//! let engine = || {
-//!     let cache =
-//!         PagedKvCache::new(&model.attention_layers(), CacheConfig::new(16), DType::F32, &dev)?;
-//!     Engine::new(&model, cache, SchedulerConfig::default())
-//! };
-//! let request = |id, prompt: &[u32]| Request {
-//!     id,
-//!     prompt: prompt.to_vec(),
-//!     params: SamplingParams::greedy(6), // 6 new tokens, no stop token
-//! };
-//!
-//! let mut batch = engine()?;
-//! batch.add_request(request(0, &[1, 2, 3, 4, 5]))?;
-//! batch.add_request(request(1, &[9, 8, 7]))?;
-//! batch.add_request(request(2, &[1, 2, 3, 4, 5]))?;
-//! let mut done = batch.run(|_token| {})?; // or `step()` until `!has_work()`
-//! done.sort_by_key(|c| c.id);
-//! assert_eq!(done.len(), 3);
-//! assert!(done.iter().all(|c| c.tokens.len() == 6 && c.finish == FinishReason::Length));
-//! assert_eq!(done[0].tokens, done[2].tokens);
-//! assert_eq!(batch.block_manager().num_used_blocks(), 0);
-//!
-//! let mut alone = engine()?;
-//! alone.add_request(request(7, &[1, 2, 3, 4, 5]))?;
-//! while alone.has_work() {
-//!     alone.step()?;
-//! }
-//! assert_eq!(alone.take_completions()[0].tokens, done[0].tokens);
-//! # Ok(())
-//! # }
-//! # #[cfg(not(feature = "models"))]
-//! # fn main() {}
-//! ```
+//! Feature `engine` holds [`PagedModel`], [`PagedKvCache`] and the rotary
+//! embeddings, for models of your own (the continuous-batching engine that
+//! runs them is [`crate::engine`]); feature `models` adds the models and
+//! their loaders. Tokenizers, chat templates and checkpoint files are
+//! [`crate::text`].
 
-// Feature `engine`: the model interface, the paged cache, rotary embeddings
-// and the engine. Feature `models` adds the models, their loaders,
-// tokenizers and chat templates.
-#[cfg(feature = "models")]
-pub mod chat;
+// Feature `engine`: the model interface, the paged cache and rotary
+// embeddings. Feature `models` adds the models and their loaders.
 #[cfg(feature = "models")]
 pub mod decoder;
-#[cfg(feature = "models")]
-pub mod fetch;
 #[cfg(feature = "models")]
 pub mod gemma2;
 #[cfg(feature = "models")]
 pub mod gemma3;
-pub mod generation;
 #[cfg(feature = "models")]
 mod gguf;
-#[cfg(feature = "models")]
-pub mod hub;
 mod kv_cache;
 #[cfg(feature = "models")]
 mod layers;
@@ -142,18 +68,13 @@ pub mod qwen3;
 #[cfg(feature = "models")]
 pub mod registry;
 mod rotary;
-#[cfg(feature = "models")]
-pub mod tokenizer;
 
 use candle_core::{DType, Device, Result, Tensor};
 
 use crate::attention::{Attention, KvCacheDtype};
 use crate::metadata::AttentionMetadata;
 
-pub use kv_cache::{
-    CacheConfig, CacheFootprint, CachePlan, CacheSizing, MemoryProfile, PagedKvCache,
-    DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION,
-};
+pub use kv_cache::{CacheConfig, CacheFootprint, PagedKvCache};
 #[cfg(feature = "models")]
 pub use registry::{load, Dequantize, LoadOptions, Loaded};
 pub use rotary::{Rotary, RotaryEmbedding};
@@ -253,7 +174,7 @@ pub trait PagedModel {
     /// * `input_ids` - `(num_tokens,)` u32, the batch's new tokens in the row
     ///   order of `metadata` (sequence by sequence), each `< vocab_size`
     ///   (checked when `input_ids` is on the CPU; on a GPU the check would
-    ///   cost a device-to-host copy, and the [`generation::Engine`] checks
+    ///   cost a device-to-host copy, and the [`Engine`](crate::engine::Engine) checks
     ///   the ids when a request is added).
     /// * `metadata` - tables, slots and positions of the batch.
     /// * `cache` - the caches of all layers; the new keys and values are

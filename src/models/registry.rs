@@ -13,13 +13,13 @@ use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{bail, DType, Device, Error, Result};
 use candle_nn::VarBuilder;
 
-use super::chat::ChatTemplate;
-use super::hub::{self, CheckpointFiles, SafetensorsFiles};
 use super::limits::read_gguf;
 use super::quantized_gemma3::QuantizedGemma3;
 use super::quantized_llama::QuantizedLlama;
-use super::tokenizer::ModelTokenizer;
 use super::{gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3, PagedModel, PagedOptions};
+use crate::text::chat::ChatTemplate;
+use crate::text::hub::{self, CheckpointFiles, SafetensorsFiles};
+use crate::text::tokenizer::ModelTokenizer;
 
 const OP: &str = "models::load";
 

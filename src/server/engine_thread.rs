@@ -26,12 +26,10 @@ use candle_core::{Error, Result};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use super::metrics::Metrics;
-use crate::models::chat::ChatTemplate;
-use crate::models::generation::{
-    Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
-};
-use crate::models::tokenizer::ModelTokenizer;
+use crate::engine::{Completion, Engine, FinishReason, Request, SamplingParams, SchedulerConfig};
 use crate::models::{PagedKvCache, PagedModel};
+use crate::text::chat::ChatTemplate;
+use crate::text::tokenizer::ModelTokenizer;
 
 const OP: &str = "engine thread";
 

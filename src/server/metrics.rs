@@ -11,7 +11,7 @@ use prometheus::{
     TextEncoder,
 };
 
-use crate::models::generation::EngineStats;
+use crate::engine::EngineStats;
 
 const OP: &str = "server metrics";
 

@@ -1,5 +1,5 @@
 //! An OpenAI-compatible HTTP server over the continuous-batching
-//! [`Engine`](crate::models::generation::Engine) (feature `server`).
+//! [`Engine`](crate::engine::Engine) (feature `server`).
 //!
 //! * `POST /v1/chat/completions` - messages through the checkpoint's chat
 //!   template; `POST /v1/completions` - a prompt string or token ids. Both
@@ -72,7 +72,7 @@ pub use engine_thread::{EngineHandle, LoadedModel};
 pub use error::ApiError;
 pub use metrics::Metrics;
 
-use crate::models::generation::SchedulerConfig;
+use crate::engine::SchedulerConfig;
 use engine_thread::EngineConfig;
 use routes::AppState;
 

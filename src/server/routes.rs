@@ -30,9 +30,9 @@ use super::error::ApiError;
 use super::metrics::Metrics;
 use super::protocol::*;
 use super::text::Detokenizer;
-use crate::models::chat::{ChatMessage, ChatTemplate};
-use crate::models::generation::{FinishReason, SamplingParams};
-use crate::models::tokenizer::ModelTokenizer;
+use crate::engine::{FinishReason, SamplingParams};
+use crate::text::chat::{ChatMessage, ChatTemplate};
+use crate::text::tokenizer::ModelTokenizer;
 
 const CHAT: &str = "/v1/chat/completions";
 const COMPLETIONS: &str = "/v1/completions";

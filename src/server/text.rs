@@ -5,7 +5,7 @@
 //! text is the decoding of the tokens from the last complete point on,
 //! less the decoding of those before it, so that the cost per token does
 //! not grow with the answer (decoding every token from the start, as
-//! [`TextStream`](crate::models::tokenizer::TextStream) does, grows as the
+//! [`TextStream`](crate::text::tokenizer::TextStream) does, grows as the
 //! square of the answer's length), while leading-space rules of the
 //! decoder apply as they do to the whole text.
 //!
@@ -16,7 +16,7 @@
 use candle_core::Result;
 use tokenizers::Tokenizer;
 
-use crate::models::tokenizer::decode;
+use crate::text::tokenizer::decode;
 
 /// Windowed incremental decoding: feeds tokens one by one and yields the
 /// text that became final. A token that ends inside a UTF-8 character

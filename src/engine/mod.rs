@@ -1,0 +1,559 @@
+//! The continuous-batching engine over a paged model (feature `engine`):
+//! sequences join and leave the running batch between steps; prompts are
+//! prefilled in chunks that fit a per-step token budget, mixed with the
+//! decodes of the other sequences.
+//!
+//! Each [`Engine::step`] is schedule, run, update: the scheduler
+//! (`scheduler.rs`: admission in first-come-first-served order, the
+//! chunked-prefill token budget, preemption) picks the step's work; the
+//! model runner (`runner.rs`: the batch's metadata and device tensors, the
+//! forward pass, the CUDA graphs of decode steps, the greedy rows' argmax)
+//! runs it; the engine samples and feeds the tokens back to their requests
+//! (`request.rs`), or rolls the step back when the forward pass fails.
+//! [`CacheSizing`] and [`MemoryProfile`] size the cache before an engine is
+//! built.
+//!
+//! # Example
+//! A tiny Llama with random weights (feature `models`; any [`PagedModel`]
+//! works) completes three greedy requests in one continuous batch: the
+//! two with the same prompt get the same tokens, the same as that prompt
+//! alone in another engine, and every cache block is free at the end.
+//! ```
+//! # #[cfg(feature = "models")]
+//! # fn main() -> candle_core::Result<()> {
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use candle_paged_attention::engine::{
+//!     Engine, FinishReason, Request, SamplingParams, SchedulerConfig,
+//! };
+//! use candle_paged_attention::models::{llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions};
+//!
+//! let dev = Device::Cpu;
+//! let cfg: llama::LlamaConfig = serde_json::from_str(
+//!     r#"{"hidden_size": 32, "intermediate_size": 48, "vocab_size": 64,
+//!         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+//!         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128}"#,
+//! ).map_err(candle_core::Error::wrap)?;
+//! let varmap = VarMap::new(); // random weights
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+//! let model = llama::Llama::load(vb, &cfg.into_config(false), PagedOptions::default())?;
+//! let engine = || {
+//!     let cache =
+//!         PagedKvCache::new(&model.attention_layers(), CacheConfig::new(16), DType::F32, &dev)?;
+//!     Engine::new(&model, cache, SchedulerConfig::default())
+//! };
+//! let request = |id, prompt: &[u32]| Request {
+//!     id,
+//!     prompt: prompt.to_vec(),
+//!     params: SamplingParams::greedy(6), // 6 new tokens, no stop token
+//! };
+//!
+//! let mut batch = engine()?;
+//! batch.add_request(request(0, &[1, 2, 3, 4, 5]))?;
+//! batch.add_request(request(1, &[9, 8, 7]))?;
+//! batch.add_request(request(2, &[1, 2, 3, 4, 5]))?;
+//! let mut done = batch.run(|_token| {})?; // or `step()` until `!has_work()`
+//! done.sort_by_key(|c| c.id);
+//! assert_eq!(done.len(), 3);
+//! assert!(done.iter().all(|c| c.tokens.len() == 6 && c.finish == FinishReason::Length));
+//! assert_eq!(done[0].tokens, done[2].tokens);
+//! assert_eq!(batch.block_manager().num_used_blocks(), 0);
+//!
+//! let mut alone = engine()?;
+//! alone.add_request(request(7, &[1, 2, 3, 4, 5]))?;
+//! while alone.has_work() {
+//!     alone.step()?;
+//! }
+//! assert_eq!(alone.take_completions()[0].tokens, done[0].tokens);
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "models"))]
+//! # fn main() {}
+//! ```
+
+mod buckets;
+#[cfg(feature = "cuda")]
+mod graphs;
+mod profile;
+mod request;
+mod runner;
+mod sampling;
+mod scheduler;
+
+use std::time::Instant;
+
+use candle_core::{bail, Error, Result};
+
+pub use buckets::{decode_bucket, decode_split_plan_keys, BATCH_BUCKETS, MIN_TABLE_WIDTH};
+#[cfg(feature = "cuda")]
+pub use graphs::{DecodeGraphs, GraphStats};
+pub use profile::{
+    CachePlan, CacheSizing, MemoryProfile, DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION,
+};
+pub use request::{Completion, EngineStats, FinishReason, Request, TokenEvent};
+pub use sampling::{Sampler, SamplingParams};
+pub use scheduler::SchedulerConfig;
+
+use crate::cache::{BlockManager, ScheduledBatch};
+use crate::models::{PagedKvCache, PagedModel};
+use request::Sequence;
+use runner::{ModelRunner, StepLogits};
+use scheduler::Scheduler;
+
+const OP: &str = "engine";
+
+/// Runs requests through a [`PagedModel`] with continuous batching.
+///
+/// Each [`step`](Self::step) schedules the decodes of all running sequences,
+/// then prefill chunks of sequences still reading their prompts, then admits
+/// waiting requests while the token budget and `max_num_seqs` allow. When
+/// the cache runs out of blocks, the newest admission is put back or the
+/// newest running sequence is preempted (its blocks freed, its prompt and
+/// generated tokens recomputed later).
+///
+/// With prefix caching (the cache's [`CacheConfig`](crate::models::CacheConfig)),
+/// a prefill takes the cached blocks of its prompt when it is scheduled,
+/// including those an earlier sequence computes in the same step (see
+/// [`BlockManager`]): prompts submitted together compute a shared prefix
+/// once. Prefill chunks are budgeted after the blocks cached by earlier
+/// steps, and admission counts the blocks a prompt shares with running
+/// sequences as free. [`stats`](Self::stats) counts the tokens reused.
+///
+/// # Failures
+/// * [`add_request`](Self::add_request) refuses what can never run: invalid
+///   sampling parameters, an empty prompt, a token id outside the
+///   vocabulary, a prompt plus `max_tokens` beyond the model's
+///   [`max_seq_len`](PagedModel::max_seq_len), a prompt larger than the
+///   whole cache. The error names the request.
+/// * A sequence that outgrows the cache while running alone (a prompt chunk
+///   is first halved down to one token) finishes with
+///   [`FinishReason::Error`] and the tokens generated so far; a sampler
+///   that fails on a sequence's logits finishes that sequence the same way.
+///   The others go on.
+/// * When the forward pass (or reading its logits) fails, the step is
+///   rolled back exactly: block allocations, computed positions, the tokens
+///   waiting to be fed back, the step's admissions; no token is sampled.
+///   `step` and `run` return the error; calling them again retries, and
+///   recomputes the same positions with the same tokens. Preemptions the
+///   step made stand (a preempted sequence recomputes its tokens later).
+///
+/// Every step makes progress (a batch runs or a request finishes) or
+/// returns an error, so [`run`](Self::run) never spins.
+pub struct Engine<'m, M: PagedModel + ?Sized> {
+    /// Builds the steps' batches, runs the model, owns the caches and the
+    /// CUDA graphs.
+    runner: ModelRunner<'m, M>,
+    /// The waiting queue and the running batch.
+    scheduler: Scheduler,
+    manager: BlockManager,
+    completions: Vec<Completion>,
+    steps: usize,
+    /// Requests finished so far (in any way but an abort).
+    finished: usize,
+    stats: EngineStats,
+    /// The block manager's hit counter when `stats` was last reset.
+    hits_base: usize,
+    /// Graph counters when `stats` was last reset.
+    #[cfg(feature = "cuda")]
+    graphs_base: GraphStats,
+}
+
+impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
+    /// An engine over `model` whose layers store into `cache`.
+    pub fn new(model: &'m M, cache: PagedKvCache, config: SchedulerConfig) -> Result<Self> {
+        if config.max_batch_tokens == 0 {
+            bail!("{OP}: max_batch_tokens must be at least 1, got 0");
+        }
+        if config.max_num_seqs == 0 {
+            bail!("{OP}: max_num_seqs must be at least 1, got 0");
+        }
+        let manager = cache.block_manager()?;
+        let scheduler = Scheduler::new(config, cache.config(), cache.block_size());
+        Ok(Self {
+            runner: ModelRunner::new(model, cache, config),
+            scheduler,
+            manager,
+            completions: Vec::new(),
+            steps: 0,
+            finished: 0,
+            stats: EngineStats::default(),
+            hits_base: 0,
+            #[cfg(feature = "cuda")]
+            graphs_base: Default::default(),
+        })
+    }
+
+    /// Whether pure-decode steps (every running sequence decoding one
+    /// token, at most 256 of them) on a CUDA device run as CUDA-graph
+    /// replays: on (the default), each batch bucket and table width is
+    /// captured on its first step and replayed after (see
+    /// [`DecodeGraphs`](crate::engine::DecodeGraphs), feature
+    /// `cuda`); off, every step launches its kernels one by one. Prefills
+    /// and mixed steps always run eagerly; on the CPU, or built without the
+    /// `cuda` feature, this has no effect. The tokens are the same either way.
+    pub fn with_cuda_graphs(mut self, enable: bool) -> Self {
+        self.runner.set_cuda_graphs(enable);
+        self
+    }
+
+    /// True when decode steps may replay CUDA graphs: graphs are on
+    /// ([`with_cuda_graphs`](Self::with_cuda_graphs)), the crate has the
+    /// `cuda` feature and the model is on a CUDA device.
+    pub fn uses_cuda_graphs(&self) -> bool {
+        self.runner.uses_cuda_graphs()
+    }
+
+    /// Captures, before any request runs, the decode graphs of every batch
+    /// bucket up to `max_num_seqs` sequences (see
+    /// [`BATCH_BUCKETS`]) for
+    /// sequences of up to `max_context` tokens, so that no step pays for a
+    /// capture later (vLLM captures at start-up too). Returns the graphs
+    /// ready; 0 when graphs are off or unavailable (see
+    /// [`uses_cuda_graphs`](Self::uses_cuda_graphs)).
+    pub fn capture_cuda_graphs(&mut self, max_context: usize) -> Result<usize> {
+        self.runner.capture_cuda_graphs(&self.manager, max_context)
+    }
+
+    /// Why the most recent CUDA-graph capture failed (its shape then runs
+    /// eagerly), if one did.
+    pub fn cuda_graph_error(&self) -> Option<String> {
+        self.runner.cuda_graph_error()
+    }
+
+    /// Queues a request; it joins the running batch at a later step.
+    ///
+    /// Fails, naming the request, when its sampling parameters are invalid,
+    /// its prompt is empty, its id is already queued or running, a prompt
+    /// token is `>= vocab_size`, its prompt length plus `max_tokens` exceeds
+    /// the model's context length, or its prompt needs more blocks than the
+    /// whole cache has. A refused request is not queued.
+    pub fn add_request(&mut self, request: Request) -> Result<()> {
+        let id = request.id;
+        request
+            .params
+            .validate()
+            .map_err(|e| Error::msg(format!("{OP}: request {id}: {e}")))?;
+        let prompt = &request.prompt;
+        if prompt.is_empty() {
+            bail!("{OP}: request {id} has an empty prompt");
+        }
+        if self.scheduler.contains(id) {
+            bail!("{OP}: request id {id} is already queued or running");
+        }
+        let model = self.runner.model();
+        let vocab = model.vocab_size();
+        if let Some((pos, tok)) = prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            bail!(
+                "{OP}: request {id} has token id {tok} at prompt position {pos}, outside the model's vocabulary of {vocab} tokens"
+            );
+        }
+        let max_len = model.max_seq_len();
+        let max_tokens = request.params.max_tokens;
+        match prompt.len().checked_add(max_tokens) {
+            Some(total) if total <= max_len => {}
+            total => bail!(
+                "{OP}: request {id} needs {} prompt tokens + {max_tokens} new tokens = {} positions, more than the model's context length of {max_len}",
+                prompt.len(),
+                total.map_or_else(|| "more than usize::MAX".to_string(), |t| t.to_string())
+            ),
+        }
+        let cache = self.runner.cache();
+        let (bs, num_blocks) = (cache.block_size(), cache.config().num_blocks);
+        let need = prompt.len().div_ceil(bs);
+        if need > num_blocks {
+            bail!(
+                "{OP}: request {id} has {} prompt tokens, which need {need} blocks of {bs} tokens, but the KV cache has {num_blocks} blocks in all",
+                prompt.len()
+            );
+        }
+        self.scheduler.add(Sequence {
+            sampler: Sampler::new(&request.params),
+            request,
+            generated: Vec::new(),
+            pending: None,
+            arrival: Instant::now(),
+            first_token: None,
+            preemptions: 0,
+        });
+        Ok(())
+    }
+
+    /// Cancels request `id`, waiting or running, and frees its blocks.
+    ///
+    /// Returns its completion ([`FinishReason::Aborted`], with the tokens
+    /// generated so far), or `None` when no such request is waiting or
+    /// running (it may have finished already: its completion is then among
+    /// those of [`take_completions`](Self::take_completions)). An aborted
+    /// request never appears among the engine's completions.
+    pub fn abort(&mut self, id: u64) -> Result<Option<Completion>> {
+        Ok(self
+            .scheduler
+            .abort(id, &mut self.manager)?
+            .map(|seq| seq.into_completion(FinishReason::Aborted)))
+    }
+
+    /// True while requests are waiting or running.
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+
+    /// Sequences in the running batch.
+    pub fn num_running(&self) -> usize {
+        self.scheduler.num_running()
+    }
+
+    /// Requests waiting to join the running batch (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.scheduler.num_waiting()
+    }
+
+    /// Steps run so far (batches whose forward pass succeeded).
+    pub fn num_steps(&self) -> usize {
+        self.steps
+    }
+
+    /// The caches.
+    pub fn cache(&self) -> &PagedKvCache {
+        self.runner.cache()
+    }
+
+    /// The block manager (which blocks each running sequence holds).
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.manager
+    }
+
+    /// Counters of the steps run since the engine was built or
+    /// [`reset_stats`](Self::reset_stats) was last called.
+    pub fn stats(&self) -> EngineStats {
+        let stats = EngineStats {
+            prefix_cache_hit_tokens: self
+                .manager
+                .prefix_cache_hit_tokens()
+                .saturating_sub(self.hits_base),
+            num_blocks: self.manager.num_blocks(),
+            ..self.stats
+        };
+        #[cfg(feature = "cuda")]
+        let stats = {
+            let (g, base) = (self.runner.graph_stats(), self.graphs_base);
+            EngineStats {
+                graph_steps: g.replays - base.replays,
+                graphs_captured: g.captured - base.captured,
+                graph_capture_failures: g.failed - base.failed,
+                kernels_per_graph_step: g.kernels_per_step,
+                ..stats
+            }
+        };
+        stats
+    }
+
+    /// Starts the counters of [`stats`](Self::stats) afresh (after a
+    /// warm-up, say); the peak block use restarts from the blocks in use now.
+    pub fn reset_stats(&mut self) {
+        self.stats = EngineStats {
+            peak_used_blocks: self.manager.num_used_blocks(),
+            ..EngineStats::default()
+        };
+        self.hits_base = self.manager.prefix_cache_hit_tokens();
+        #[cfg(feature = "cuda")]
+        {
+            self.graphs_base = self.runner.graph_stats();
+        }
+    }
+
+    /// Finished requests, in the order they finished (drained).
+    pub fn take_completions(&mut self) -> Vec<Completion> {
+        std::mem::take(&mut self.completions)
+    }
+
+    /// Runs steps until every request has finished; `on_token` sees each
+    /// token as it is sampled. Returns the completions in finishing order
+    /// (requests that ended with [`FinishReason::Error`] included).
+    ///
+    /// When a step fails (see [`step`](Self::step)), returns its error at
+    /// once: the step is rolled back, the completions of the requests that
+    /// finished before stay in [`take_completions`](Self::take_completions),
+    /// and calling `run` again retries.
+    pub fn run(&mut self, mut on_token: impl FnMut(&TokenEvent)) -> Result<Vec<Completion>> {
+        while self.has_work() {
+            let before = (self.steps, self.finished);
+            for ev in self.step()? {
+                on_token(&ev);
+            }
+            if (self.steps, self.finished) == before {
+                // Every step runs a batch or finishes a request; this guards
+                // the loop against a scheduling bug all the same.
+                bail!(
+                    "{OP}: a step made no progress ({} waiting, {} running requests, {} of {} blocks free)",
+                    self.scheduler.num_waiting(),
+                    self.scheduler.num_running(),
+                    self.manager.num_free_blocks(),
+                    self.runner.cache().config().num_blocks
+                );
+            }
+        }
+        Ok(self.take_completions())
+    }
+
+    /// Schedules and runs one batch; returns the tokens it sampled (none
+    /// when the batch only computed prompt chunks, or when the step only
+    /// finished requests with errors).
+    ///
+    /// Requests that cannot go on finish with [`FinishReason::Error`] (see
+    /// [`Engine`]); their completions wait in
+    /// [`take_completions`](Self::take_completions). When the forward pass
+    /// fails, the step is rolled back exactly and its error returned: call
+    /// `step` again to retry it.
+    pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
+        if !self.has_work() {
+            return Ok(Vec::new());
+        }
+        // Schedule: admissions, the step's work, preemptions.
+        let scheduled = self.scheduler.schedule(&mut self.manager);
+        self.collect_scheduler_outcomes();
+        let scheduled = scheduled?;
+        if scheduled.work.is_empty() {
+            // This step finished every request with an error.
+            return Ok(Vec::new());
+        }
+        let admitted = scheduled.admitted;
+        let batch = match self.runner.prepare(&mut self.manager, &scheduled.work) {
+            Ok(batch) => batch,
+            Err(e) => {
+                self.scheduler.unadmit(admitted, &mut self.manager)?;
+                return Err(e);
+            }
+        };
+        // Run, then update the sequences with the sampled tokens.
+        let ready: Vec<usize> = (0..batch.seq_ids.len())
+            .filter(|&i| batch.ready[i])
+            .collect();
+        let greedy: Vec<bool> = ready
+            .iter()
+            .map(|&i| {
+                self.scheduler
+                    .running(batch.seq_ids[i])
+                    .is_none_or(|s| s.sampler.is_greedy())
+            })
+            .collect();
+        let logits = match self.runner.forward(&self.manager, &batch, &ready, &greedy) {
+            Ok(l) => l,
+            Err(e) => {
+                let (seqs, tokens) = (batch.seq_ids.len(), batch.token_ids.len());
+                self.manager.rollback(batch)?;
+                self.scheduler.unadmit(admitted, &mut self.manager)?;
+                return Err(e.context(format!(
+                    "{OP}: the forward pass of a batch of {seqs} sequences and {tokens} tokens failed; the step was rolled back and can be retried"
+                )));
+            }
+        };
+        self.update(&batch, &ready, logits)
+    }
+
+    /// Takes the completions of the requests that scheduling finished and
+    /// its preemptions into the engine's completions and counters.
+    fn collect_scheduler_outcomes(&mut self) {
+        let done = self.scheduler.take_finished();
+        self.finished += done.len();
+        self.completions.extend(done);
+        self.stats.preemptions += self.scheduler.take_preemptions();
+    }
+
+    /// Commits a step whose forward pass succeeded: counts it, feeds the
+    /// sampled tokens back to their sequences (`ready` lists the batch's
+    /// sequences, by index, that got logits) and finishes those that are
+    /// done.
+    fn update(
+        &mut self,
+        batch: &ScheduledBatch,
+        ready: &[usize],
+        logits: StepLogits,
+    ) -> Result<Vec<TokenEvent>> {
+        // The step is committed: nothing below fails for a reason no request owns.
+        self.steps += 1;
+        let decodes = batch
+            .seq_ids
+            .iter()
+            .filter(|&&id| {
+                self.scheduler
+                    .running(id)
+                    .is_some_and(|s| s.pending.is_some())
+            })
+            .count();
+        self.stats.steps += 1;
+        self.stats.decode_tokens += decodes;
+        self.stats.prefill_tokens += batch.token_ids.len().saturating_sub(decodes);
+        self.stats.peak_used_blocks = self
+            .stats
+            .peak_used_blocks
+            .max(self.manager.num_used_blocks());
+        for seq in self.scheduler.running_mut() {
+            if batch.seq_ids.contains(&seq.request.id) {
+                seq.pending = None;
+            }
+        }
+        let mut events = Vec::with_capacity(ready.len());
+        let mut finished = Vec::new();
+        for (r, &i) in ready.iter().enumerate() {
+            let id = batch.seq_ids[i];
+            let Some(seq) = self
+                .scheduler
+                .running_mut()
+                .iter_mut()
+                .find(|s| s.request.id == id)
+            else {
+                bail!("{OP}: scheduled sequence {id} is not running");
+            };
+            if logits.non_finite.get(r).copied().unwrap_or(false) {
+                let why = format!(
+                    "{OP}: request {id}: the model gave non-finite logits (NaN or infinity) for its next token; greedy decoding cannot pick one"
+                );
+                finished.push((id, FinishReason::Error(why)));
+                continue;
+            }
+            let token = match (&logits.sampled[r], logits.argmax.get(r).copied().flatten()) {
+                (Some(row), _) => {
+                    match seq.sampler.sample(row, &seq.request.prompt, &seq.generated) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            let why =
+                                format!("{OP}: request {id}: sampling its next token failed: {e}");
+                            finished.push((id, FinishReason::Error(why)));
+                            continue;
+                        }
+                    }
+                }
+                (None, Some(t)) => t,
+                (None, None) => bail!("{OP}: no logits were read for request {id}"),
+            };
+            seq.generated.push(token);
+            seq.first_token.get_or_insert_with(|| seq.arrival.elapsed());
+            let finish = if seq.request.params.stop_tokens.contains(&token) {
+                Some(FinishReason::Stop)
+            } else if seq.generated.len() >= seq.request.params.max_tokens {
+                Some(FinishReason::Length)
+            } else {
+                seq.pending = Some(token);
+                None
+            };
+            if let Some(f) = &finish {
+                finished.push((id, f.clone()));
+            }
+            events.push(TokenEvent {
+                id,
+                token,
+                finished: finish,
+            });
+        }
+        for (id, finish) in finished {
+            let seq = self.scheduler.finish(id, &mut self.manager)?;
+            self.finished += 1;
+            self.completions.push(seq.into_completion(finish));
+        }
+        Ok(events)
+    }
+}
