@@ -12,6 +12,7 @@ use candle_core::{CudaDevice, DType, Result};
 
 use super::occupancy::{driver_resident, Residency};
 use super::plan::{plan, resident_programs, Instance, Merge, Plan};
+use super::policy::LaunchPolicy;
 use super::tiles::{
     instance_name, smem_bytes, stream_tile, stream_wide_tile, tile_shape, wgmma_tile, Kind,
     TileShape, HEAD_SIZES, STREAM_ROWS,
@@ -82,9 +83,14 @@ fn call_plan(
         fp8: params.key_cache.dtype() == DType::F8E4M3,
     };
     // Tensors as candle allocates them: starting on 16 bytes.
-    plan(params, dims, &limits, true, &|kind, tile, head| {
-        residency.resident(kind, tile, head)
-    })
+    plan(
+        params,
+        dims,
+        &limits,
+        true,
+        &|kind, tile, head| residency.resident(kind, tile, head),
+        LaunchPolicy::current(),
+    )
 }
 
 /// One launch of a call's plan: the programs per SM the plan sized its

@@ -17,6 +17,7 @@ pub(crate) mod layer_shapes;
 pub(crate) mod occupancy;
 pub(crate) mod paged_attention;
 pub(crate) mod plan;
+pub(crate) mod policy;
 pub(crate) mod reshape_and_cache;
 pub(crate) mod rotary_cache;
 pub(crate) mod tiles;
@@ -295,13 +296,6 @@ fn device_limits(dev: &CudaDevice) -> Result<DeviceLimits> {
     };
     lock()?.insert(dev.id(), limits);
     Ok(limits)
-}
-
-/// A launch switch read from environment variable `name` once per process
-/// into `cell`: `parse` maps the value (`None` when unset or not UTF-8) to
-/// the switch. Tests and the benchmark set these to cover every path.
-fn env_switch<T: Copy>(cell: &'static OnceLock<T>, name: &str, parse: fn(Option<&str>) -> T) -> T {
-    *cell.get_or_init(|| parse(std::env::var(name).ok().as_deref()))
 }
 
 /// True when `CANDLE_PAGED_ATTENTION_POISON` is set: outputs are filled with

@@ -46,8 +46,6 @@
 //!
 //! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
 
-use std::sync::OnceLock;
-
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     result, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, SyncOnDrop,
@@ -61,11 +59,12 @@ use super::buffers::{alloc_uninit, float_name};
 use super::contract::AttnParams;
 use super::occupancy::Residency;
 use super::plan::{plan, Instance, Merge, Part, Plan};
+use super::policy::{LaunchPolicy, Overlap};
 use super::tiles::Kind;
 use super::workspace::{self, SideStream, Workspace};
 use super::{
-    attention_function, cuda_storage, device_address, env_switch, fill_nan, function,
-    optional_address, poison_outputs, DeviceLimits, ATTENTION_MODULE,
+    attention_function, cuda_storage, device_address, fill_nan, function, optional_address,
+    poison_outputs, DeviceLimits, ATTENTION_MODULE,
 };
 use crate::params::{AttentionDims, PagedAttentionParams};
 
@@ -161,16 +160,18 @@ fn launch(
         dtype_name,
         fp8: cache_fp8,
     };
+    let policy = LaunchPolicy::current();
     let plan = plan(
         params,
         dims,
         &limits,
         p.vec_loads != 0,
         &|kind, tile, head| residency.resident(kind, tile, head),
+        policy,
     )?;
     let split = SplitLayout::of(&plan, params, dims);
     p.ws_seq_rows = plan.ws_seq_rows as i32;
-    let overlap = overlap_mode();
+    let overlap = policy.overlap;
     let side = match (&plan.parts, overlap) {
         ([Some(_), Some(_)], mode) if mode != Overlap::Off => Some(ws.side_stream(&stream)?),
         _ => None,
@@ -609,36 +610,6 @@ fn launch_each(
         unsafe { launch_attention(stream, &func, cfg, p) }?;
     }
     Ok(())
-}
-
-/// Whether and how a mixed batch's two launches overlap
-/// (`CANDLE_PAGED_ATTENTION_OVERLAP`, see the module doc). On an H200
-/// (docs/perf.md, version 9; four device calls) the mixed batch of 4 x 512
-/// prefill tokens and 60 x 4k decodes ran 342.7-347.7 µs with both launches
-/// on one stream, 327.6-334.4 with the prefill launch on the side stream
-/// enqueued after the decode launch, and 324.9-332.5 enqueued before it (no
-/// better at the side stream's highest priority); version 10 has the
-/// default's figures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Overlap {
-    /// `0`: both launches on the device's stream, one after the other.
-    Off,
-    /// The default (or `1`): the prefill launch on the side stream,
-    /// enqueued before the decode launch.
-    PrefillFirst,
-    /// `decode-first`: enqueued after it.
-    DecodeFirst,
-}
-
-/// `CANDLE_PAGED_ATTENTION_OVERLAP=0|1|decode-first` (unset or anything
-/// else: `1`), read once per process; tests and the benchmark cover each.
-fn overlap_mode() -> Overlap {
-    static MODE: OnceLock<Overlap> = OnceLock::new();
-    env_switch(&MODE, "CANDLE_PAGED_ATTENTION_OVERLAP", |v| match v {
-        Some("0") => Overlap::Off,
-        Some("decode-first") => Overlap::DecodeFirst,
-        _ => Overlap::PrefillFirst,
-    })
 }
 
 /// The split-KV reduce of a part that does not merge its own partials

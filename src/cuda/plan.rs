@@ -14,15 +14,14 @@
 //!
 //! Imports `params` and the sibling CUDA modules; never `ops` or `cpu`.
 
-use std::sync::OnceLock;
-
 use candle_core::{bail, Result};
 
+use super::policy::{LaunchPolicy, StreamMode};
 use super::tiles::{
     instance_name, smem_bytes, stream_tile, stream_wide_tile, tile_shape, wgmma_tile, Kind,
     TileShape, HEAD_SIZES,
 };
-use super::{env_switch, AttnModule, DeviceLimits};
+use super::{AttnModule, DeviceLimits};
 use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
 
 const OP: &str = "paged-attention";
@@ -30,7 +29,8 @@ const OP: &str = "paged-attention";
 /// Most split-KV segments per (sequence, KV head).
 pub(crate) const MAX_SEGMENTS: usize = 256;
 
-/// Who merges the split-KV partials of a part with more than one segment.
+/// Who merges the split-KV partials of a part with more than one segment
+/// (defined with the launch policy that may force it).
 ///
 /// Stream-decode parts plan `InLaunch` (their merge is an online merge over
 /// batches of segments, one L2 round trip per 16 segments; docs/perf.md,
@@ -38,16 +38,9 @@ pub(crate) const MAX_SEGMENTS: usize = 256;
 /// an H200 (docs/perf.md, version 5) that second launch was as fast or
 /// faster than their in-launch merge on every split decode case of the
 /// benchmark (b256 L1k 343.8 against 378.0 µs, b1 L8k 31.9 against
-/// 34.6 µs). `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch|reduce` forces one
-/// or the other for every decode-shaped part, which the GPU tests run
-/// too.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Merge {
-    /// The last program of each group, through arrival counters: one launch.
-    InLaunch,
-    /// `reduce_segments_*`, a second launch.
-    Reduce,
-}
+/// 34.6 µs). The policy's `split_merge` forces one or the other for every
+/// decode-shaped part, which the GPU tests run too.
+pub(super) use super::policy::Merge;
 
 /// One launch of the tensor-core kernel: a tile shape and the sequences
 /// (by new-token count) whose programs do work.
@@ -148,12 +141,14 @@ pub(super) type ResidentFn<'a> = dyn Fn(Kind, &TileShape, usize) -> Result<usize
 /// fit `resident` programs per SM: the parts, their split-KV segments and
 /// the workspace row layout. `aligned`: the query and the caches start on
 /// 16 bytes (what the stream-decode instances need besides the head size).
+/// `policy` says which instances and merges the plan may take.
 pub(super) fn plan(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
     limits: &DeviceLimits,
     aligned: bool,
     resident: &ResidentFn<'_>,
+    policy: &LaunchPolicy,
 ) -> Result<Plan> {
     let sms = limits.sms;
     let host = params.batch.host();
@@ -171,9 +166,9 @@ pub(super) fn plan(
     let fits = 16 / group.min(16);
     let decode = tile_shape(Kind::Decode, head, false);
     // The prefill tiles: the warpgroup instances on a device of compute
-    // capability 9.0 for their head sizes (unless
-    // `CANDLE_PAGED_ATTENTION_WGMMA=0`), else the mma.sync ones.
-    let wgmma = limits.wgmma && wgmma_enabled();
+    // capability 9.0 for their head sizes (unless the policy turns them
+    // off), else the mma.sync ones.
+    let wgmma = limits.wgmma && policy.wgmma;
     let prefill_tile = |small| match wgmma_tile(head, small) {
         Some(tile) if wgmma => tile,
         _ => tile_shape(Kind::Prefill, head, small),
@@ -182,7 +177,7 @@ pub(super) fn plan(
     // Prefill programs of 128 rows: less than a wave (of the programs the
     // device holds) takes 64-row ones. Above head size 128 the mma.sync
     // instances have one tile (of 64 rows).
-    let small = match prefill_tile_override() {
+    let small = match policy.prefill_rows {
         Some(rows) => rows == 64,
         None if narrow == wide || host.max_seqlen_q() <= fits => false,
         None => {
@@ -208,7 +203,7 @@ pub(super) fn plan(
             .unwrap_or(1)
     };
     let decode_part =
-        |q_lens| match stream_decode_tile(dims, fp8, head, decode_span, aligned, limits) {
+        |q_lens| match stream_decode_tile(dims, fp8, head, decode_span, aligned, limits, policy) {
             Some(tile) => part(Kind::Stream, tile, dims, n, q_lens),
             None => part(Kind::Decode, decode, dims, n, q_lens),
         };
@@ -243,7 +238,7 @@ pub(super) fn plan(
         if let Some(wide_tile) = wide_tile {
             let groups = decode_count * dims.num_kv_heads * p.head_chunks * dv_chunks;
             let wide_resident = resident(Kind::Stream, &wide_tile, head)?;
-            if prefer_wide(stream_mode(), groups, p.resident, wide_resident, sms) {
+            if prefer_wide(policy.stream, groups, p.resident, wide_resident, sms) {
                 p.tile = wide_tile;
                 p.resident = wide_resident;
             }
@@ -310,7 +305,7 @@ pub(super) fn plan(
         }
         (KvSplit::Auto | KvSplit::AutoUpTo(_), _) => {}
     }
-    if let Some(merge) = split_merge_override() {
+    if let Some(merge) = policy.split_merge {
         for p in parts.iter_mut().flatten() {
             if matches!(p.kind, Kind::Decode | Kind::Stream) {
                 p.merge = merge;
@@ -327,7 +322,7 @@ pub(super) fn plan(
 
 /// The stream-decode tile for the decode-shaped launch of a call at padded
 /// head size `head` whose decode-shaped spans have at most `span` new
-/// tokens, if one serves it: `CANDLE_PAGED_ATTENTION_STREAM` is not `0`,
+/// tokens, if one serves it: the policy allows stream decode,
 /// the head size has an instance, the block size is a multiple of 16 (a
 /// warp step of 16 keys lies in one block), the query and caches are
 /// `aligned` and the head size allows 16-byte loads (a multiple of 8, of 16
@@ -341,9 +336,10 @@ fn stream_decode_tile(
     span: usize,
     aligned: bool,
     limits: &DeviceLimits,
+    policy: &LaunchPolicy,
 ) -> Option<TileShape> {
     let loads = aligned && dims.head_size.is_multiple_of(if fp8 { 16 } else { 8 });
-    if stream_mode() == StreamMode::Off || !loads || !dims.block_size.is_multiple_of(16) {
+    if policy.stream == StreamMode::Off || !loads || !dims.block_size.is_multiple_of(16) {
         return None;
     }
     let group = dims.group_size();
@@ -353,29 +349,6 @@ fn stream_decode_tile(
         16
     };
     stream_tile(head, rows).filter(|tile| smem_bytes(tile, head, fp8) <= limits.max_smem_per_block)
-}
-
-/// Which decode-shaped instances the plan may take
-/// (`CANDLE_PAGED_ATTENTION_STREAM`, read once per process), so that tests
-/// and the benchmark cover each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum StreamMode {
-    /// `0`: the unified kernel's decode instances only.
-    Off,
-    /// The default: stream decode where an instance serves the call, the
-    /// wide one where `prefer_wide` says.
-    Auto,
-    /// `wide`: the wide instance wherever it exists for the call.
-    Wide,
-}
-
-fn stream_mode() -> StreamMode {
-    static MODE: OnceLock<StreamMode> = OnceLock::new();
-    env_switch(&MODE, "CANDLE_PAGED_ATTENTION_STREAM", |v| match v {
-        Some("0") => StreamMode::Off,
-        Some("wide") => StreamMode::Wide,
-        _ => StreamMode::Auto,
-    })
 }
 
 /// Whether a stream-decode launch of `groups` (sequence, KV head, chunk)
@@ -402,37 +375,6 @@ fn prefer_wide(
             wide_resident > resident && (resident * sms..=wide_resident * sms).contains(&groups)
         }
     }
-}
-
-/// `CANDLE_PAGED_ATTENTION_PREFILL_ROWS=64|128` forces the prefill tile's
-/// packed rows (up to head size 128), so that tests cover both instances
-/// whatever the batch size. Read once per process.
-fn prefill_tile_override() -> Option<usize> {
-    static ROWS: OnceLock<Option<usize>> = OnceLock::new();
-    env_switch(&ROWS, "CANDLE_PAGED_ATTENTION_PREFILL_ROWS", |v| {
-        v.and_then(|v| v.parse().ok())
-            .filter(|&rows| rows == 64 || rows == 128)
-    })
-}
-
-/// False under `CANDLE_PAGED_ATTENTION_WGMMA=0`, which keeps prefill
-/// launches on the mma.sync instances on Hopper too, so that tests and the
-/// benchmark cover both paths there. Read once per process.
-fn wgmma_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    env_switch(&ON, "CANDLE_PAGED_ATTENTION_WGMMA", |v| v != Some("0"))
-}
-
-/// `CANDLE_PAGED_ATTENTION_SPLIT_MERGE=launch|reduce` forces who merges the
-/// split-KV partials of decode-shaped launches (both kernels), so that
-/// tests and the benchmark cover both. Read once per process.
-fn split_merge_override() -> Option<Merge> {
-    static MERGE: OnceLock<Option<Merge>> = OnceLock::new();
-    env_switch(&MERGE, "CANDLE_PAGED_ATTENTION_SPLIT_MERGE", |v| match v? {
-        "launch" => Some(Merge::InLaunch),
-        "reduce" => Some(Merge::Reduce),
-        _ => None,
-    })
 }
 
 /// The host-side estimate of the programs of one instance resident on one
@@ -576,15 +518,20 @@ mod tests {
             .validate(q.dtype(), q.shape(), q.device())
             .expect("valid call");
         let fp8 = params.key_cache.dtype() == DType::F8E4M3;
-        plan(params, &dims, limits, true, &|_, tile, head| {
-            Ok(resident_programs(tile, head, fp8, limits))
-        })
+        plan(
+            params,
+            &dims,
+            limits,
+            true,
+            &|_, tile, head| Ok(resident_programs(tile, head, fp8, limits)),
+            LaunchPolicy::current(),
+        )
         .expect("plan")
     }
 
     #[test]
     fn hopper_prefills_take_the_warpgroup_tile() {
-        if !wgmma_enabled() || prefill_tile_override().is_some() {
+        if !LaunchPolicy::current().wgmma || LaunchPolicy::current().prefill_rows.is_some() {
             eprintln!("skipped: CANDLE_PAGED_ATTENTION_WGMMA=0 or _PREFILL_ROWS overrides the prefill tile");
             return;
         }
@@ -713,7 +660,7 @@ mod tests {
             (8, Kind::Decode, &A100, 2, 216 / 32),
         ];
         // (`CANDLE_PAGED_ATTENTION_STREAM=wide`: the wide instance, 4 per SM.)
-        let cases = if stream_mode() == StreamMode::Auto {
+        let cases = if LaunchPolicy::current().stream == StreamMode::Auto {
             [unified, stream].concat()
         } else {
             unified.to_vec()
@@ -733,7 +680,15 @@ mod tests {
         let dims = params
             .validate(q.dtype(), q.shape(), q.device())
             .expect("valid");
-        let given = plan(&params, &dims, &HOPPER, true, &|_, _, _| Ok(1)).expect("plan");
+        let given = plan(
+            &params,
+            &dims,
+            &HOPPER,
+            true,
+            &|_, _, _| Ok(1),
+            LaunchPolicy::current(),
+        )
+        .expect("plan");
         let p = given.parts[0].expect("one part");
         assert_eq!((p.resident, p.segments), (1, 132 / 32));
         // 64 sequences: 512 programs on 396 (Hopper) or 216 (A100) slots.
@@ -763,7 +718,7 @@ mod tests {
                 (8, Kind::Decode, Merge::Reduce),
                 (16, Kind::Stream, Merge::InLaunch),
             ] {
-                if kind == Kind::Stream && stream_mode() == StreamMode::Off {
+                if kind == Kind::Stream && LaunchPolicy::current().stream == StreamMode::Off {
                     continue;
                 }
                 let (q, params) = call_with(128, false, bs, seqs);
@@ -780,7 +735,7 @@ mod tests {
 
     #[test]
     fn decodes_take_the_stream_instance_where_one_serves() {
-        if stream_mode() == StreamMode::Off {
+        if LaunchPolicy::current().stream == StreamMode::Off {
             eprintln!("skipped: CANDLE_PAGED_ATTENTION_STREAM=0 turns the stream instances off");
             return;
         }
@@ -789,9 +744,14 @@ mod tests {
             let dims = params
                 .validate(q.dtype(), q.shape(), q.device())
                 .expect("valid call");
-            let pl = plan(&params, &dims, &HOPPER, aligned, &|_, tile, head| {
-                Ok(resident_programs(tile, head, fp8, &HOPPER))
-            })
+            let pl = plan(
+                &params,
+                &dims,
+                &HOPPER,
+                aligned,
+                &|_, tile, head| Ok(resident_programs(tile, head, fp8, &HOPPER)),
+                LaunchPolicy::current(),
+            )
             .expect("plan");
             let p = pl.parts[0].expect("a part");
             (p.kind, p.tile.rows(), pl.instance(&p, "bf16", fp8).name)
@@ -803,7 +763,7 @@ mod tests {
                 let (kind, rows, name) = decode(head, fp8, 16, &one, true);
                 let cache = if fp8 { "_fp8" } else { "" };
                 // `CANDLE_PAGED_ATTENTION_STREAM=wide`: the wide instance.
-                let wide = stream_mode() == StreamMode::Wide && padded == 128;
+                let wide = LaunchPolicy::current().stream == StreamMode::Wide && padded == 128;
                 let shape = if wide { "r8w" } else { "r8" };
                 assert_eq!(
                     (kind, rows, name),
@@ -854,7 +814,7 @@ mod tests {
 
     #[test]
     fn wide_stream_instance_takes_one_wave_batches() {
-        if stream_mode() != StreamMode::Auto {
+        if LaunchPolicy::current().stream != StreamMode::Auto {
             eprintln!("skipped: CANDLE_PAGED_ATTENTION_STREAM overrides the instance choice");
             return;
         }
@@ -913,7 +873,7 @@ mod tests {
 
     #[test]
     fn one_wave_stream_splits_hold_one_program_per_sm_over_16_bit_caches() {
-        if stream_mode() != StreamMode::Auto {
+        if LaunchPolicy::current().stream != StreamMode::Auto {
             eprintln!("skipped: CANDLE_PAGED_ATTENTION_STREAM overrides the instance choice");
             return;
         }
@@ -941,7 +901,7 @@ mod tests {
 
     #[test]
     fn prefill_tile_follows_the_resident_programs() {
-        if prefill_tile_override().is_some() {
+        if LaunchPolicy::current().prefill_rows.is_some() {
             eprintln!("skipped: CANDLE_PAGED_ATTENTION_PREFILL_ROWS overrides the prefill tile");
             return;
         }
@@ -952,7 +912,15 @@ mod tests {
             .validate(q.dtype(), q.shape(), q.device())
             .expect("valid");
         let rows_with = |resident: usize| {
-            let pl = plan(&params, &dims, &HOPPER, true, &|_, _, _| Ok(resident)).expect("plan");
+            let pl = plan(
+                &params,
+                &dims,
+                &HOPPER,
+                true,
+                &|_, _, _| Ok(resident),
+                LaunchPolicy::current(),
+            )
+            .expect("plan");
             let p = pl.parts[0].expect("one part");
             assert_eq!(p.kind, Kind::Prefill);
             p.tile.rows()

@@ -1,0 +1,174 @@
+//! The launch policy: which kernel instances and launch arrangements the
+//! plans of `PagedAttention` may take. One value, read from the environment
+//! once per process ([`LaunchPolicy::current`]) and passed to the planner,
+//! so that tests and the benchmark cover each path by setting variables,
+//! and host tests build any policy directly ([`LaunchPolicy::from_vars`]).
+//!
+//! | variable | values | field |
+//! |---|---|---|
+//! | `CANDLE_PAGED_ATTENTION_STREAM` | `0`, `wide`, else auto | [`stream`](LaunchPolicy::stream) |
+//! | `CANDLE_PAGED_ATTENTION_WGMMA` | `0`, else on | [`wgmma`](LaunchPolicy::wgmma) |
+//! | `CANDLE_PAGED_ATTENTION_PREFILL_ROWS` | `64`, `128`, else free | [`prefill_rows`](LaunchPolicy::prefill_rows) |
+//! | `CANDLE_PAGED_ATTENTION_SPLIT_MERGE` | `launch`, `reduce`, else by kernel | [`split_merge`](LaunchPolicy::split_merge) |
+//! | `CANDLE_PAGED_ATTENTION_OVERLAP` | `0`, `decode-first`, else prefill first | [`overlap`](LaunchPolicy::overlap) |
+//!
+//! A leaf of the CUDA modules: imports nothing of the crate.
+
+use std::sync::OnceLock;
+
+/// Which decode-shaped instances the plan may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StreamMode {
+    /// `0`: the unified kernel's decode instances only.
+    Off,
+    /// The default: stream decode where an instance serves the call, the
+    /// wide one where the planner's `prefer_wide` says.
+    Auto,
+    /// `wide`: the wide instance wherever it exists for the call.
+    Wide,
+}
+
+/// Who merges the split-KV partials of a decode-shaped part. The
+/// stream-decode instances merge in their launch by default and the
+/// unified kernel's decode instances through a separate reduce launch
+/// (the planner's `Merge` docs give the measurements).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Merge {
+    /// The last program of each group, through arrival counters: one launch.
+    InLaunch,
+    /// `reduce_segments_*`, a second launch.
+    Reduce,
+}
+
+/// How a mixed batch's two launches (a decode-shaped part and a prefill
+/// part) are enqueued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Overlap {
+    /// `0`: both launches on the device's stream, one after the other.
+    Off,
+    /// The default: the prefill launch on the side stream, enqueued before
+    /// the decode launch.
+    PrefillFirst,
+    /// `decode-first`: enqueued after it.
+    DecodeFirst,
+}
+
+/// The launch switches of one process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LaunchPolicy {
+    /// Decode-shaped instances allowed.
+    pub(crate) stream: StreamMode,
+    /// The warpgroup (wgmma) prefill instances on a device that has them;
+    /// `false` keeps prefills on the mma.sync instances.
+    pub(crate) wgmma: bool,
+    /// Packed rows of every prefill tile (64 or 128, up to head size 128),
+    /// whatever the batch; `None`: chosen by the batch's size.
+    pub(crate) prefill_rows: Option<usize>,
+    /// Who merges split-KV partials, for every decode-shaped part; `None`:
+    /// by kernel.
+    pub(crate) split_merge: Option<Merge>,
+    /// A mixed batch's launches.
+    pub(crate) overlap: Overlap,
+}
+
+impl Default for LaunchPolicy {
+    /// Every switch unset.
+    fn default() -> Self {
+        Self::from_vars(|_| None)
+    }
+}
+
+impl LaunchPolicy {
+    /// The policy the variables give, `var(name)` being the value of
+    /// `name` (`None` when unset). Values other than those of the module
+    /// table count as unset.
+    pub(crate) fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
+        let get = |name: &str| var(&format!("CANDLE_PAGED_ATTENTION_{name}"));
+        Self {
+            stream: match get("STREAM").as_deref() {
+                Some("0") => StreamMode::Off,
+                Some("wide") => StreamMode::Wide,
+                _ => StreamMode::Auto,
+            },
+            wgmma: get("WGMMA").as_deref() != Some("0"),
+            prefill_rows: get("PREFILL_ROWS")
+                .and_then(|v| v.parse().ok())
+                .filter(|&rows| rows == 64 || rows == 128),
+            split_merge: match get("SPLIT_MERGE").as_deref() {
+                Some("launch") => Some(Merge::InLaunch),
+                Some("reduce") => Some(Merge::Reduce),
+                _ => None,
+            },
+            overlap: match get("OVERLAP").as_deref() {
+                Some("0") => Overlap::Off,
+                Some("decode-first") => Overlap::DecodeFirst,
+                _ => Overlap::PrefillFirst,
+            },
+        }
+    }
+
+    /// The process's policy: the environment, read on first use.
+    pub(crate) fn current() -> &'static Self {
+        static POLICY: OnceLock<LaunchPolicy> = OnceLock::new();
+        POLICY.get_or_init(|| Self::from_vars(|name| std::env::var(name).ok()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(pairs: &[(&str, &str)]) -> LaunchPolicy {
+        LaunchPolicy::from_vars(|name| {
+            pairs
+                .iter()
+                .find(|(k, _)| name == format!("CANDLE_PAGED_ATTENTION_{k}"))
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn each_variable_sets_its_field() {
+        let d = LaunchPolicy::default();
+        assert_eq!(
+            d,
+            LaunchPolicy {
+                stream: StreamMode::Auto,
+                wgmma: true,
+                prefill_rows: None,
+                split_merge: None,
+                overlap: Overlap::PrefillFirst,
+            }
+        );
+        assert_eq!(with(&[("STREAM", "0")]).stream, StreamMode::Off);
+        assert_eq!(with(&[("STREAM", "wide")]).stream, StreamMode::Wide);
+        assert!(!with(&[("WGMMA", "0")]).wgmma);
+        assert_eq!(with(&[("PREFILL_ROWS", "64")]).prefill_rows, Some(64));
+        assert_eq!(with(&[("PREFILL_ROWS", "128")]).prefill_rows, Some(128));
+        assert_eq!(
+            with(&[("SPLIT_MERGE", "launch")]).split_merge,
+            Some(Merge::InLaunch)
+        );
+        assert_eq!(
+            with(&[("SPLIT_MERGE", "reduce")]).split_merge,
+            Some(Merge::Reduce)
+        );
+        assert_eq!(with(&[("OVERLAP", "0")]).overlap, Overlap::Off);
+        assert_eq!(
+            with(&[("OVERLAP", "decode-first")]).overlap,
+            Overlap::DecodeFirst
+        );
+    }
+
+    #[test]
+    fn other_values_count_as_unset() {
+        let odd = with(&[
+            ("STREAM", "1"),
+            ("WGMMA", "no"),
+            ("PREFILL_ROWS", "96"),
+            ("SPLIT_MERGE", "both"),
+            ("OVERLAP", "2"),
+        ]);
+        assert_eq!(odd, LaunchPolicy::default());
+    }
+}
