@@ -267,3 +267,88 @@ impl KindManager for FullAttentionManager {
         self.tables.get(&seq_id)?.blocks.get(index).copied()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn planned(seq_id: u64, start: usize, q_len: usize) -> Planned {
+        Planned {
+            seq_id,
+            start,
+            q_len,
+            token: None,
+            hits: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn allocates_in_order_truncates_and_frees() {
+        let mut m = FullAttentionManager::new(4, 8, false);
+        assert_eq!(m.add_sequence(0, &[1; 9]), 0);
+        m.add_sequence(1, &[2; 3]);
+        assert_eq!(m.num_blocks_to_allocate(&planned(0, 0, 9)), 3);
+        m.allocate(0, 9).unwrap();
+        m.allocate(1, 3).unwrap();
+        assert_eq!(m.block_table(0).unwrap(), [0, 1, 2]);
+        assert_eq!(m.block_table(1).unwrap(), [3]);
+        assert_eq!(m.num_blocks_to_allocate(&planned(0, 9, 1)), 0);
+        assert_eq!(m.num_blocks_to_allocate(&planned(0, 12, 1)), 1);
+        m.truncate(0, 1).unwrap();
+        assert_eq!(m.block_table(0).unwrap(), [0]);
+        assert_eq!(m.pool().num_available(), 6);
+        // Released blocks come back after the never-used ones, oldest first.
+        m.allocate(1, 12).unwrap();
+        assert_eq!(m.block_table(1).unwrap(), [3, 4, 5]);
+        m.free(0).unwrap();
+        assert_eq!(m.block_table(0), None);
+        assert_eq!(m.pool().num_available(), 5);
+        assert_eq!(m.pool_name(), "full-attention");
+    }
+
+    #[test]
+    fn shares_registered_prefixes() {
+        let mut m = FullAttentionManager::new(2, 8, true);
+        let prompt = [1, 2, 3, 4, 5];
+        assert_eq!(m.add_sequence(0, &prompt), 0);
+        m.allocate(0, 5).unwrap();
+        // Blocks 0 and 1 are full; block 2 holds one token.
+        assert_eq!(m.register_computed(0, &prompt, 5), [0, 1]);
+        assert_eq!(m.num_hashes(0), 2);
+        // A later sequence with the same prompt takes both full blocks, not
+        // the one holding the last token.
+        assert_eq!(m.add_sequence(1, &prompt), 4);
+        assert_eq!(m.block_table(1).unwrap(), [0, 1]);
+        assert_eq!((m.pool().ref_count(0), m.pool().ref_count(1)), (2, 2));
+        assert_eq!(m.shared_prefix_blocks(&prompt), 2);
+        // A third finds the cached blocks when it plans its prefill.
+        m.add_sequence(2, &[1, 2, 3, 4, 9]);
+        m.truncate(2, 0).unwrap();
+        m.truncate_hashes(2, 0);
+        let hits = m.prefix_hits(2, &[1, 2, 3, 4, 9], 0, &HashMap::new());
+        assert_eq!(
+            hits.iter().map(|h| h.1).collect::<Vec<_>>(),
+            [Some(0), Some(1)]
+        );
+        // The blocks free only when no sequence holds them; their prefixes
+        // stay cached until they are needed.
+        m.free(0).unwrap();
+        m.free(1).unwrap();
+        m.free(2).unwrap();
+        assert_eq!(m.pool().num_cached_unused(), 2);
+        m.unregister(&[0]);
+        assert_eq!(m.pool().num_cached(), 1);
+        assert!(!m.take_cached(3, hits[1].0, &[3, 4]), "unknown sequence");
+    }
+
+    #[test]
+    fn without_prefix_caching_nothing_is_registered() {
+        let mut m = FullAttentionManager::new(2, 4, false);
+        m.add_sequence(0, &[1, 2, 3]);
+        m.allocate(0, 3).unwrap();
+        assert!(m.register_computed(0, &[1, 2, 3], 3).is_empty());
+        assert_eq!(m.add_sequence(1, &[1, 2, 3]), 0);
+        assert_eq!(m.shared_prefix_blocks(&[1, 2, 3]), 0);
+        assert_eq!(m.pool().num_cached(), 0);
+    }
+}

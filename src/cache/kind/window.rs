@@ -132,3 +132,75 @@ impl KindManager for SlidingWindowManager {
         self.tables.get(&seq_id)?.get(index).copied().flatten()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn planned(seq_id: u64, start: usize, q_len: usize) -> Planned {
+        Planned {
+            seq_id,
+            start,
+            q_len,
+            token: None,
+            hits: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn allocates_in_order_and_counts_what_it_needs() {
+        let mut m = SlidingWindowManager::new(2, 4, 6);
+        assert_eq!(m.add_sequence(0, &[1, 2, 3]), 0);
+        m.add_sequence(1, &[4]);
+        assert_eq!(m.num_blocks_to_allocate(&planned(0, 0, 3)), 2);
+        m.allocate(0, 3).unwrap();
+        m.allocate(1, 1).unwrap();
+        m.allocate(0, 4).unwrap();
+        assert_eq!(m.block_table(0).unwrap(), [Some(0), Some(1)]);
+        assert_eq!(m.block_table(1).unwrap(), [Some(2)]);
+        assert_eq!(m.num_blocks_to_allocate(&planned(0, 4, 1)), 1);
+        assert_eq!(m.pool().num_available(), 3);
+        assert_eq!(m.pool_name(), "window-4");
+    }
+
+    #[test]
+    fn recycles_blocks_out_of_the_window() {
+        let mut m = SlidingWindowManager::new(2, 4, 4);
+        m.add_sequence(7, &[1; 8]);
+        m.allocate(7, 8).unwrap();
+        assert_eq!(m.pool().num_available(), 0);
+        // A query at position 8 sees positions 5..=8: blocks 0 and 1 are out.
+        let plan = [planned(7, 8, 1)];
+        assert_eq!(m.num_available(&plan), 2);
+        assert_eq!(m.num_blocks_to_allocate(&plan[0]), 1);
+        m.recycle_out_of_window(7, 8).unwrap();
+        assert_eq!(m.block_table(7).unwrap(), [None, None, Some(2), Some(3)]);
+        assert_eq!((m.block_at(7, 0), m.block_at(7, 2)), (None, Some(2)));
+        assert_eq!(m.pool().num_available(), 2);
+        // Recycling again returns nothing more; the freed ids come back in order.
+        m.recycle_out_of_window(7, 8).unwrap();
+        assert_eq!(m.num_available(&plan), 2);
+        m.allocate(7, 9).unwrap();
+        assert_eq!(m.block_at(7, 4), Some(0));
+        // Undo drops the new entry and releases its block.
+        m.truncate(7, 4).unwrap();
+        assert_eq!(m.num_held(7), 4);
+        assert_eq!(m.pool().num_available(), 2);
+    }
+
+    #[test]
+    fn free_releases_only_the_blocks_still_held() {
+        let mut m = SlidingWindowManager::new(2, 3, 3);
+        m.add_sequence(1, &[1; 6]);
+        m.allocate(1, 6).unwrap();
+        m.recycle_out_of_window(1, 6).unwrap();
+        assert_eq!(m.block_table(1).unwrap(), [None, None, Some(2)]);
+        m.free(1).unwrap();
+        assert_eq!(m.block_table(1), None);
+        assert_eq!(m.pool().num_available(), 3);
+        assert_eq!(m.pool().ref_count(2), 0);
+        // A second free of the same sequence releases nothing twice.
+        m.free(1).unwrap();
+        assert_eq!(m.pool().num_available(), 3);
+    }
+}
