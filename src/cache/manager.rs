@@ -5,11 +5,10 @@ use std::collections::{HashMap, HashSet};
 
 use candle_core::{bail, Device, Result};
 
-use super::pool::BlockPool;
+use super::kind::{FullAttentionManager, KindManager, Planned, SlidingWindowManager};
 use super::prefix::block_hash;
 use crate::batch::{PagedBatch, SlotMapping};
 use crate::metadata::AttentionMetadata;
-use crate::remap::blocks_out_of_window;
 
 const OP: &str = "block-manager";
 
@@ -139,9 +138,10 @@ struct SeqUndo {
     seq_id: u64,
     computed: usize,
     tokens: usize,
-    blocks: usize,
+    /// Table entries per attention kind (full attention first).
+    tables: Vec<usize>,
+    /// Full-attention block hashes.
     hashes: usize,
-    window_blocks: Vec<usize>,
     uncounted_hits: usize,
     /// Blocks the batch registered in the prefix cache (their content is
     /// incomplete when the batch's forward pass failed).
@@ -154,21 +154,9 @@ struct Sequence {
     prompt_len: usize,
     /// Tokens whose keys and values are in the cache (or scheduled).
     computed: usize,
-    blocks: Vec<u32>,
-    /// Content hashes of the leading full blocks (prefix caching): one per
-    /// full computed block, so `block_hashes.len() == computed / block_size`.
-    block_hashes: Vec<u64>,
     /// Tokens `add_sequence` took from the prefix cache, counted in the hit
     /// counter when the sequence's first batch is scheduled.
     uncounted_hits: usize,
-    /// Per window group; `None` marks a block recycled out of the window.
-    window_blocks: Vec<Vec<Option<u32>>>,
-}
-
-#[derive(Debug)]
-struct WindowPool {
-    window: usize,
-    pool: BlockPool,
 }
 
 /// Tracks the blocks of every sequence and builds each batch's metadata.
@@ -264,9 +252,11 @@ struct WindowPool {
 #[derive(Debug)]
 pub struct BlockManager {
     block_size: usize,
-    prefix_caching: bool,
-    pool: BlockPool,
-    windows: Vec<WindowPool>,
+    /// The full-attention layers' blocks (and the prefix cache).
+    full: FullAttentionManager,
+    /// One manager per sliding-window group.
+    windows: Vec<SlidingWindowManager>,
+    /// What every attention kind shares: the tokens of each sequence.
     seqs: HashMap<u64, Sequence>,
     /// Batches scheduled so far (numbers them for `rollback`).
     batches: u64,
@@ -359,14 +349,10 @@ impl BlockManager {
         }
         Ok(Self {
             block_size,
-            prefix_caching: enable_prefix_caching,
-            pool: BlockPool::new(num_blocks),
+            full: FullAttentionManager::new(block_size, num_blocks, enable_prefix_caching),
             windows: windows
                 .into_iter()
-                .map(|g| WindowPool {
-                    window: g.window,
-                    pool: BlockPool::new(g.num_blocks),
-                })
+                .map(|g| SlidingWindowManager::new(block_size, g.window, g.num_blocks))
                 .collect(),
             seqs: HashMap::new(),
             batches: 0,
@@ -397,30 +383,19 @@ impl BlockManager {
                 prompt.len()
             );
         }
-        let bs = self.block_size;
-        let mut seq = Sequence {
-            tokens: prompt.to_vec(),
-            prompt_len: prompt.len(),
-            computed: 0,
-            blocks: Vec::new(),
-            block_hashes: Vec::new(),
-            uncounted_hits: 0,
-            window_blocks: vec![Vec::new(); self.windows.len()],
-        };
-        if self.prefix_caching {
-            for toks in prompt[..prompt.len() - 1].chunks_exact(bs) {
-                let hash = block_hash(seq.block_hashes.last().copied(), toks);
-                let Some(block) = self.pool.acquire_cached(hash, toks) else {
-                    break;
-                };
-                seq.blocks.push(block);
-                seq.block_hashes.push(hash);
-            }
-            seq.computed = seq.blocks.len() * bs;
-            seq.uncounted_hits = seq.computed;
+        let cached = self.full.add_sequence(seq_id, prompt);
+        for w in &mut self.windows {
+            w.add_sequence(seq_id, prompt);
         }
-        let cached = seq.computed;
-        self.seqs.insert(seq_id, seq);
+        self.seqs.insert(
+            seq_id,
+            Sequence {
+                tokens: prompt.to_vec(),
+                prompt_len: prompt.len(),
+                computed: cached,
+                uncounted_hits: cached,
+            },
+        );
         Ok(cached)
     }
 
@@ -429,16 +404,11 @@ impl BlockManager {
     /// their blocks are needed.
     pub fn free(&mut self, seq_id: u64) -> Result<()> {
         self.last_batch = None;
-        let Some(seq) = self.seqs.remove(&seq_id) else {
+        if self.seqs.remove(&seq_id).is_none() {
             bail!("{OP}: cannot free sequence {seq_id}: it is not admitted");
-        };
-        for &b in &seq.blocks {
-            self.pool.release(b)?;
         }
-        for (w, blocks) in self.windows.iter_mut().zip(&seq.window_blocks) {
-            for b in blocks.iter().flatten() {
-                w.pool.release(*b)?;
-            }
+        for kind in self.kinds_mut() {
+            kind.free(seq_id)?;
         }
         Ok(())
     }
@@ -526,8 +496,11 @@ impl BlockManager {
     /// sequence has computed part of a block.
     pub fn cached_prefix_len(&self, seq_id: u64) -> usize {
         match self.seqs.get(&seq_id) {
-            Some(seq) if self.prefix_caching => {
-                self.prefix_hits(seq, &HashMap::new()).len() * self.block_size
+            Some(seq) if self.full.prefix_caching() => {
+                let hits =
+                    self.full
+                        .prefix_hits(seq_id, &seq.tokens, seq.computed, &HashMap::new());
+                hits.len() * self.block_size
             }
             _ => 0,
         }
@@ -538,22 +511,7 @@ impl BlockManager {
     /// with these tokens shares them instead of taking blocks from the pool.
     /// Zero without prefix caching.
     pub fn shared_prefix_blocks(&self, tokens: &[u32]) -> usize {
-        if !self.prefix_caching {
-            return 0;
-        }
-        let mut parent = None;
-        let mut in_use = 0;
-        for toks in tokens[..tokens.len().saturating_sub(1)].chunks_exact(self.block_size) {
-            let hash = block_hash(parent, toks);
-            let Some(block) = self.pool.lookup(hash, toks) else {
-                break;
-            };
-            if self.pool.ref_count(block) > 0 {
-                in_use += 1;
-            }
-            parent = Some(hash);
-        }
-        in_use
+        self.full.shared_prefix_blocks(tokens)
     }
 
     /// Undoes `batch`, the last batch [`schedule`](Self::schedule) returned,
@@ -589,25 +547,13 @@ impl BlockManager {
             let Some(seq) = self.seqs.get_mut(&u.seq_id) else {
                 bail!("{OP}: sequence {} vanished before its rollback", u.seq_id);
             };
-            for &b in &u.registered {
-                self.pool.unregister(b);
-            }
             seq.computed = u.computed;
             seq.tokens.truncate(u.tokens);
-            seq.block_hashes.truncate(u.hashes);
             seq.uncounted_hits = u.uncounted_hits;
-            for b in seq.blocks.drain(u.blocks.min(seq.blocks.len())..) {
-                self.pool.release(b)?;
-            }
-            for ((w, blocks), &len) in self
-                .windows
-                .iter_mut()
-                .zip(&mut seq.window_blocks)
-                .zip(&u.window_blocks)
-            {
-                for b in blocks.drain(len.min(blocks.len())..).flatten() {
-                    w.pool.release(b)?;
-                }
+            self.full.unregister(&u.registered);
+            self.full.truncate_hashes(u.seq_id, u.hashes);
+            for (kind, &len) in self.kinds_mut().zip(&u.tables) {
+                kind.truncate(u.seq_id, len)?;
             }
         }
         Ok(())
@@ -637,8 +583,9 @@ impl BlockManager {
                             "{OP}: sequence {seq_id} asks to prefill {num_tokens} tokens but {left} prompt tokens are left"
                         );
                     }
-                    let hits = if self.prefix_caching {
-                        self.prefix_hits(seq, &computed_here)
+                    let hits = if self.full.prefix_caching() {
+                        self.full
+                            .prefix_hits(seq_id, &seq.tokens, seq.computed, &computed_here)
                     } else {
                         Vec::new()
                     };
@@ -661,12 +608,9 @@ impl BlockManager {
             if num_tokens > u32::MAX as usize {
                 bail!("{OP}: the batch would have more than u32::MAX query tokens");
             }
-            if self.prefix_caching && token.is_none() {
-                let mut parent = hits
-                    .last()
-                    .map(|h| h.0)
-                    .or(seq.block_hashes.last().copied());
-                for b in seq.block_hashes.len() + hits.len()..(start + q_len) / bs {
+            if self.full.prefix_caching() && token.is_none() {
+                let mut parent = hits.last().map(|h| h.0).or(self.full.last_hash(seq_id));
+                for b in self.full.num_hashes(seq_id) + hits.len()..(start + q_len) / bs {
                     let toks = &seq.tokens[b * bs..(b + 1) * bs];
                     let hash = block_hash(parent, toks);
                     computed_here.entry(hash).or_insert(toks);
@@ -684,56 +628,25 @@ impl BlockManager {
         Ok(plan)
     }
 
-    /// The cached blocks holding the next prompt blocks of `seq`, as
-    /// `(hash, Some(block))` for blocks earlier batches computed, then
-    /// `(hash, None)` for blocks that earlier items of the batch being
-    /// planned compute (`computed_here`). Only whole blocks before the last
-    /// prompt token count, and only when `seq` has computed whole blocks.
-    fn prefix_hits(
-        &self,
-        seq: &Sequence,
-        computed_here: &HashMap<u64, &[u32]>,
-    ) -> Vec<(u64, Option<u32>)> {
-        let bs = self.block_size;
-        let mut hits: Vec<(u64, Option<u32>)> = Vec::new();
-        if !seq.computed.is_multiple_of(bs) {
-            return hits;
-        }
-        let mut parent = seq.block_hashes.last().copied();
-        // Blocks wholly before the last token, whose logits start generation.
-        let end = seq.tokens.len().saturating_sub(1) / bs;
-        for b in seq.computed / bs..end {
-            let toks = &seq.tokens[b * bs..(b + 1) * bs];
-            let hash = block_hash(parent, toks);
-            let in_batch_run = hits.last().is_some_and(|h| h.1.is_none());
-            match self.pool.lookup(hash, toks) {
-                // Cached blocks come first: `schedule` takes them before any
-                // item of the batch allocates.
-                Some(block) if !in_batch_run => hits.push((hash, Some(block))),
-                _ if computed_here.get(&hash) == Some(&toks) => hits.push((hash, None)),
-                _ => break,
-            }
-            parent = Some(hash);
-        }
-        hits
+    /// The manager of each attention kind present: full attention first,
+    /// then the window groups in their order.
+    fn kinds(&self) -> impl Iterator<Item = &dyn KindManager> + '_ {
+        std::iter::once(&self.full as &dyn KindManager)
+            .chain(self.windows.iter().map(|w| w as &dyn KindManager))
+    }
+
+    /// [`kinds`](Self::kinds), mutable.
+    fn kinds_mut(&mut self) -> impl Iterator<Item = &mut dyn KindManager> + '_ {
+        std::iter::once(&mut self.full as &mut dyn KindManager)
+            .chain(self.windows.iter_mut().map(|w| w as &mut dyn KindManager))
     }
 
     /// Returns window-group blocks that no query at or after each planned
     /// sequence's first new position can see.
     fn recycle_out_of_window(&mut self, plan: &[Planned]) -> Result<()> {
-        for (g, w) in self.windows.iter_mut().enumerate() {
+        for kind in self.kinds_mut() {
             for p in plan {
-                let Some(seq) = self.seqs.get_mut(&p.seq_id) else {
-                    continue;
-                };
-                let blocks = &mut seq.window_blocks[g];
-                let out =
-                    blocks_out_of_window(p.start, w.window, self.block_size).min(blocks.len());
-                for b in blocks[..out].iter_mut() {
-                    if let Some(id) = b.take() {
-                        w.pool.release(id)?;
-                    }
-                }
+                kind.recycle_out_of_window(p.seq_id, p.start)?;
             }
         }
         Ok(())
@@ -745,66 +658,33 @@ impl BlockManager {
     /// pool counts the unused cached blocks the plan takes as taken, and the
     /// blocks taken from the cache as held.
     fn capacity_shortfall(&self, plan: &[Planned]) -> Option<String> {
-        let bs = self.block_size;
-        let check = |pool: &BlockPool,
-                     name: &str,
-                     available: usize,
-                     held: &dyn Fn(&Sequence, &Planned) -> usize|
-         -> Option<String> {
+        self.kinds().find_map(|kind| {
+            let available = kind.num_available(plan);
             let mut taken = 0;
             for p in plan {
-                let held = self.seqs.get(&p.seq_id).map_or(0, |s| held(s, p));
-                let need = (p.start + p.q_len).div_ceil(bs).saturating_sub(held);
+                let need = kind.num_blocks_to_allocate(p);
                 if taken + need > available {
                     return Some(format!(
-                        "{OP}: sequence {} needs {need} more blocks but {} {} free in the {name} pool ({} of {} blocks free before this batch)",
+                        "{OP}: sequence {} needs {need} more blocks but {} {} free in the {} pool ({} of {} blocks free before this batch)",
                         p.seq_id,
                         available - taken,
                         if available - taken == 1 { "is" } else { "are" },
+                        kind.pool_name(),
                         available,
-                        pool.num_blocks()
+                        kind.pool().num_blocks()
                     ));
                 }
                 taken += need;
             }
             None
-        };
-        // Unused cached blocks the plan takes leave the available ones.
-        let pinned: HashSet<u32> = plan
-            .iter()
-            .flat_map(|p| p.hits.iter().filter_map(|h| h.1))
-            .filter(|&b| self.pool.ref_count(b) == 0)
-            .collect();
-        let available = self.pool.num_available().saturating_sub(pinned.len());
-        let full_held = |s: &Sequence, p: &Planned| s.blocks.len() + p.hits.len();
-        if let Some(why) = check(&self.pool, "full-attention", available, &full_held) {
-            return Some(why);
-        }
-        for (g, w) in self.windows.iter().enumerate() {
-            let recyclable: usize = plan
-                .iter()
-                .filter_map(|p| self.seqs.get(&p.seq_id))
-                .zip(plan)
-                .map(|(s, p)| {
-                    let blocks = &s.window_blocks[g];
-                    let out = blocks_out_of_window(p.start, w.window, bs).min(blocks.len());
-                    blocks[..out].iter().flatten().count()
-                })
-                .sum();
-            let name = format!("window-{}", w.window);
-            let available = w.pool.num_available() + recyclable;
-            let held = |s: &Sequence, _: &Planned| s.window_blocks[g].len();
-            if let Some(why) = check(&w.pool, &name, available, &held) {
-                return Some(why);
-            }
-        }
-        None
+        })
     }
 
     /// Takes the cached blocks earlier batches computed for one planned
     /// sequence, recording its previous lengths in `undo` first.
     fn take_cached(&mut self, p: &Planned, undo: &mut Vec<SeqUndo>) -> Result<()> {
         let bs = self.block_size;
+        let tables = self.kinds().map(|k| k.num_held(p.seq_id)).collect();
         let Some(seq) = self.seqs.get_mut(&p.seq_id) else {
             bail!("{OP}: sequence {} vanished while scheduling", p.seq_id);
         };
@@ -812,23 +692,20 @@ impl BlockManager {
             seq_id: p.seq_id,
             computed: seq.computed,
             tokens: seq.tokens.len(),
-            blocks: seq.blocks.len(),
-            hashes: seq.block_hashes.len(),
-            window_blocks: seq.window_blocks.iter().map(Vec::len).collect(),
+            tables,
+            hashes: self.full.num_hashes(p.seq_id),
             uncounted_hits: seq.uncounted_hits,
             registered: Vec::new(),
         });
         for &(hash, _) in p.hits.iter().take_while(|h| h.1.is_some()) {
-            let b = seq.block_hashes.len();
+            let b = self.full.num_hashes(p.seq_id);
             let toks = &seq.tokens[b * bs..(b + 1) * bs];
-            let Some(block) = self.pool.acquire_cached(hash, toks) else {
+            if !self.full.take_cached(p.seq_id, hash, toks) {
                 bail!(
                     "{OP}: sequence {}: the cached block of its prompt block {b} vanished while scheduling",
                     p.seq_id
                 );
-            };
-            seq.blocks.push(block);
-            seq.block_hashes.push(hash);
+            }
             seq.computed += bs;
         }
         Ok(())
@@ -844,16 +721,14 @@ impl BlockManager {
             bail!("{OP}: sequence {} vanished while scheduling", p.seq_id);
         };
         for &(hash, _) in p.hits.iter().filter(|h| h.1.is_none()) {
-            let b = seq.block_hashes.len();
+            let b = self.full.num_hashes(p.seq_id);
             let toks = &seq.tokens[b * bs..(b + 1) * bs];
-            let Some(block) = self.pool.acquire_cached(hash, toks) else {
+            if !self.full.take_cached(p.seq_id, hash, toks) {
                 bail!(
                     "{OP}: sequence {}: its prompt block {b} was not registered by the item of the batch that computes it",
                     p.seq_id
                 );
-            };
-            seq.blocks.push(block);
-            seq.block_hashes.push(hash);
+            }
             seq.computed += bs;
         }
         if seq.computed != p.start {
@@ -871,27 +746,13 @@ impl BlockManager {
             seq.tokens.push(t);
         }
         seq.computed = p.start + p.q_len;
-        let needed = seq.computed.div_ceil(bs);
-        while seq.blocks.len() < needed {
-            seq.blocks.push(self.pool.allocate()?);
+        let computed = seq.computed;
+        for kind in self.kinds_mut() {
+            kind.allocate(p.seq_id, computed)?;
         }
-        for (g, w) in self.windows.iter_mut().enumerate() {
-            while seq.window_blocks[g].len() < needed {
-                seq.window_blocks[g].push(Some(w.pool.allocate()?));
-            }
-        }
-        if self.prefix_caching {
-            // Full blocks: `b < computed / bs <= blocks.len()`.
-            for b in seq.block_hashes.len()..seq.computed / bs {
-                let toks = &seq.tokens[b * bs..(b + 1) * bs];
-                let hash = block_hash(seq.block_hashes.last().copied(), toks);
-                let block = seq.blocks[b];
-                self.pool.register(block, hash, toks);
-                if self.pool.lookup(hash, toks) == Some(block) {
-                    undo.registered.push(block);
-                }
-                seq.block_hashes.push(hash);
-            }
+        if let Some(seq) = self.seqs.get(&p.seq_id) {
+            let registered = self.full.register_computed(p.seq_id, &seq.tokens, computed);
+            undo.registered.extend(registered);
         }
         Ok(())
     }
@@ -918,12 +779,23 @@ impl BlockManager {
         let tables = vec![0u32; cells];
         let slots = vec![-1i64; num_seqs];
         let bs = self.block_size;
-        let batch = PagedBatch::new(&cu, &seq_lens, &tables, width, bs, device)?;
-        let mut metadata = AttentionMetadata::new(batch, SlotMapping::new(&slots, device)?)?;
-        for w in &self.windows {
+        self.kinds_metadata(|_| {
             let batch = PagedBatch::new(&cu, &seq_lens, &tables, width, bs, device)?;
-            metadata =
-                metadata.with_window_group(w.window, batch, SlotMapping::new(&slots, device)?)?;
+            Ok((batch, SlotMapping::new(&slots, device)?))
+        })
+    }
+
+    /// Metadata with one batch per attention kind, each built by
+    /// `batch_of`: full attention's, then each window group's.
+    fn kinds_metadata(
+        &self,
+        mut batch_of: impl FnMut(&dyn KindManager) -> Result<(PagedBatch, SlotMapping)>,
+    ) -> Result<AttentionMetadata> {
+        let (batch, slots) = batch_of(&self.full)?;
+        let mut metadata = AttentionMetadata::new(batch, slots)?;
+        for w in &self.windows {
+            let (batch, slots) = batch_of(w)?;
+            metadata = metadata.with_window_group(w.window(), batch, slots)?;
         }
         Ok(metadata)
     }
@@ -937,7 +809,6 @@ impl BlockManager {
         let mut token_ids = Vec::with_capacity(num_tokens);
         let mut last_rows = Vec::with_capacity(plan.len());
         let mut ready = Vec::with_capacity(plan.len());
-        let mut seqs = Vec::with_capacity(plan.len());
         for p in plan {
             let Some(seq) = self.seqs.get(&p.seq_id) else {
                 bail!("{OP}: sequence {} vanished while scheduling", p.seq_id);
@@ -948,48 +819,33 @@ impl BlockManager {
             seq_lens.push(end as u32);
             last_rows.push(token_ids.len() - 1);
             ready.push(end == seq.tokens.len() && end >= seq.prompt_len);
-            seqs.push(seq);
         }
-        let width = seqs.iter().map(|s| s.blocks.len()).max().unwrap_or(0);
-        let rows = |table: &dyn Fn(&Sequence, usize) -> u32| -> Vec<u32> {
-            let mut flat = vec![0u32; plan.len() * width];
-            for (row, s) in flat.chunks_mut(width.max(1)).zip(&seqs) {
-                for (j, slot) in row.iter_mut().enumerate().take(s.blocks.len()) {
-                    *slot = table(s, j);
+        // Every kind's table has as many entries as the full-attention one.
+        let held: Vec<usize> = plan.iter().map(|p| self.full.num_held(p.seq_id)).collect();
+        let width = held.iter().copied().max().unwrap_or(0);
+        let metadata = self.kinds_metadata(|kind| {
+            // Recycled window blocks read as block 0: the window masks them.
+            let mut tables = vec![0u32; plan.len() * width];
+            for ((row, p), &len) in tables.chunks_mut(width.max(1)).zip(plan).zip(&held) {
+                for (j, slot) in row.iter_mut().enumerate().take(len) {
+                    *slot = kind.block_at(p.seq_id, j).unwrap_or(0);
                 }
             }
-            flat
-        };
-        let slots = |block_of: &dyn Fn(&Sequence, usize) -> Option<u32>| -> Result<Vec<i64>> {
-            let mut out = Vec::with_capacity(num_tokens);
-            for (p, s) in plan.iter().zip(&seqs) {
+            let mut slots = Vec::with_capacity(num_tokens);
+            for p in plan {
                 for pos in p.start..p.start + p.q_len {
-                    let Some(b) = block_of(s, pos / bs) else {
+                    let Some(b) = kind.block_at(p.seq_id, pos / bs) else {
                         bail!(
                             "{OP}: sequence {} has no block for position {pos}",
                             p.seq_id
                         );
                     };
-                    out.push(b as i64 * bs as i64 + (pos % bs) as i64);
+                    slots.push(b as i64 * bs as i64 + (pos % bs) as i64);
                 }
             }
-            Ok(out)
-        };
-        let full_tables = rows(&|s, j| s.blocks[j]);
-        let full_slots = slots(&|s, j| s.blocks.get(j).copied())?;
-        let batch = PagedBatch::new(&cu_seqlens_q, &seq_lens, &full_tables, width, bs, device)?;
-        let mut metadata = AttentionMetadata::new(batch, SlotMapping::new(&full_slots, device)?)?;
-        for (g, w) in self.windows.iter().enumerate() {
-            // Recycled blocks read as block 0: the window masks them.
-            let tables = rows(&|s, j| s.window_blocks[g][j].unwrap_or(0));
-            let group_slots = slots(&|s, j| s.window_blocks[g].get(j).copied().flatten())?;
             let batch = PagedBatch::new(&cu_seqlens_q, &seq_lens, &tables, width, bs, device)?;
-            metadata = metadata.with_window_group(
-                w.window,
-                batch,
-                SlotMapping::new(&group_slots, device)?,
-            )?;
-        }
+            Ok((batch, SlotMapping::new(&slots, device)?))
+        })?;
         Ok(ScheduledBatch {
             metadata,
             token_ids,
@@ -1024,21 +880,20 @@ impl BlockManager {
     /// Blocks the full-attention pool can still hand out (free ones plus
     /// unused cached ones).
     pub fn num_free_blocks(&self) -> usize {
-        self.pool.num_available()
+        self.full.pool().num_available()
     }
 
     /// Blocks of the full-attention pool (each full-attention layer's cache).
     pub fn num_blocks(&self) -> usize {
-        self.pool.num_blocks()
+        self.full.pool().num_blocks()
     }
 
     /// Full-attention blocks held by sequences (shared ones once):
     /// [`num_blocks`](Self::num_blocks) minus
     /// [`num_free_blocks`](Self::num_free_blocks).
     pub fn num_used_blocks(&self) -> usize {
-        self.pool
-            .num_blocks()
-            .saturating_sub(self.pool.num_available())
+        let pool = self.full.pool();
+        pool.num_blocks().saturating_sub(pool.num_available())
     }
 
     /// The most full-attention blocks in use right after a scheduled batch
@@ -1057,22 +912,22 @@ impl BlockManager {
 
     /// Blocks window group `group` can still hand out.
     pub fn num_free_window_blocks(&self, group: usize) -> Option<usize> {
-        self.windows.get(group).map(|w| w.pool.num_available())
+        self.windows.get(group).map(|w| w.pool().num_available())
     }
 
     /// Blocks registered in the prefix cache (in use or not).
     pub fn num_cached_blocks(&self) -> usize {
-        self.pool.num_cached()
+        self.full.pool().num_cached()
     }
 
     /// Cached blocks no sequence uses (reusable by a later prefix, evicted first).
     pub fn num_cached_unused_blocks(&self) -> usize {
-        self.pool.num_cached_unused()
+        self.full.pool().num_cached_unused()
     }
 
     /// Sequences holding full-attention block `block`.
     pub fn block_ref_count(&self, block: u32) -> u32 {
-        self.pool.ref_count(block)
+        self.full.pool().ref_count(block)
     }
 
     /// All tokens of a sequence (prompt, then decoded ones).
@@ -1087,28 +942,12 @@ impl BlockManager {
 
     /// Full-attention block table of a sequence.
     pub fn block_table(&self, seq_id: u64) -> Option<&[u32]> {
-        self.seqs.get(&seq_id).map(|s| s.blocks.as_slice())
+        self.full.block_table(seq_id)
     }
 
     /// Block table of a sequence in window group `group`; `None` entries were
     /// recycled out of the window.
     pub fn window_block_table(&self, seq_id: u64, group: usize) -> Option<&[Option<u32>]> {
-        self.seqs
-            .get(&seq_id)?
-            .window_blocks
-            .get(group)
-            .map(Vec::as_slice)
+        self.windows.get(group)?.block_table(seq_id)
     }
-}
-
-#[derive(Clone, Debug)]
-struct Planned {
-    seq_id: u64,
-    /// First position computed (after the blocks taken from the cache).
-    start: usize,
-    q_len: usize,
-    token: Option<u32>,
-    /// Blocks taken from the prefix cache first, by hash: `Some(block)`
-    /// computed by an earlier batch, `None` by an earlier item of this one.
-    hits: Vec<(u64, Option<u32>)>,
 }

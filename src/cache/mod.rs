@@ -12,10 +12,16 @@
 //!   builds the [`AttentionMetadata`](crate::AttentionMetadata) of each
 //!   scheduled batch.
 //!
+//! [`BlockManager`] keeps what every attention kind shares (sequences,
+//! tokens, the undo log of the last batch) and drives one manager per kind
+//! (`kind`): full attention with prefix caching, and each sliding-window
+//! group.
+//!
 //! Imports `batch`, `metadata`, `remap`, `ops` (a storage identity helper)
 //! and `cuda` (free device memory); must not import `attention`, `params`,
 //! the CPU backend or `models`.
 
+mod kind;
 mod layer;
 mod manager;
 mod pool;
