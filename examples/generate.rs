@@ -45,20 +45,23 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
-use candle_core::{DType, Device};
+use candle_core::Device;
 use candle_paged_attention::engine::{
-    CachePlan, CacheSizing, Completion, Engine, EngineStats, FinishReason, Request, SamplingParams,
-    SchedulerConfig, DEFAULT_CPU_KV_BYTES,
+    CacheSizing, Completion, Engine, EngineBuilder, EngineStats, FinishReason, KvCacheSpec,
+    Request, SamplingParams, SchedulerConfig, DEFAULT_CPU_KV_BYTES,
 };
 use candle_paged_attention::models::registry::{Dequantize, LoadOptions};
-use candle_paged_attention::models::{self, CacheConfig, PagedKvCache, PagedModel, PagedOptions};
+use candle_paged_attention::models::{self, PagedModel, PagedOptions};
 use candle_paged_attention::text::chat::{self, ChatMessage, ChatTemplate};
 use candle_paged_attention::text::fetch::fetch_model;
 #[cfg(feature = "hub")]
 use candle_paged_attention::text::hub::{self, CheckpointFiles};
 use candle_paged_attention::text::tokenizer::{self, ModelTokenizer, TextStream};
-use candle_paged_attention::{Attention, KvCacheDtype, KvScales};
 use clap::Parser;
+
+#[path = "common/flags.rs"]
+mod flags;
+use flags::{activation_dtype, kv_cache_dtype};
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with paged Llama / Gemma models and continuous batching")]
@@ -451,22 +454,10 @@ fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
     Ok(())
 }
 
-/// The cache element type of `--kv-cache-dtype`.
-fn kv_cache_dtype(flag: &str) -> Result<KvCacheDtype> {
-    Ok(match flag {
-        "auto" => KvCacheDtype::Auto,
-        // Unit scales, as vLLM's fp8 cache without calibrated scales.
-        "fp8" | "fp8_e4m3" => KvCacheDtype::Fp8E4M3(KvScales::default()),
-        d => bail!("--kv-cache-dtype must be auto or fp8, got {d}"),
-    })
-}
-
-/// Blocks per full-attention layer from `--num-blocks`, `--kv-memory-mb`
-/// or, by default, `--gpu-memory-utilization` on CUDA (256 MiB on the CPU),
-/// through the library's [`CacheSizing`]; the cache's bytes are checked
-/// against the host's memory (on the CPU) before anything is allocated.
-/// Returns the plan and the flag it came from.
-fn cache_plan(args: &Args, model: &dyn PagedModel, dev: &Device) -> Result<(CachePlan, String)> {
+/// The cache of `--num-blocks`, `--kv-memory-mb` or, by default,
+/// `--gpu-memory-utilization` on CUDA (256 MiB on the CPU), with
+/// `--window-blocks` and `--prefix-caching`, and the flag it was sized by.
+fn cache_spec(args: &Args, dev: &Device) -> (KvCacheSpec, String) {
     let (sizing, flag) = match (args.num_blocks, args.kv_memory_mb) {
         (Some(n), _) => (CacheSizing::Blocks(n), format!("--num-blocks {n}")),
         // checked in check_flags
@@ -488,24 +479,12 @@ fn cache_plan(args: &Args, model: &dyn PagedModel, dev: &Device) -> Result<(Cach
             ),
         ),
     };
-    let layers = model.attention_layers();
-    let plan = sizing
-        .plan(model, args.window_blocks)
-        .with_context(|| format!("{flag}, --block-size {}", args.block_size))?;
-    if dev.is_cpu() {
-        if let Some(avail) = models::registry::host_memory_available() {
-            if plan.bytes > avail {
-                bail!(
-                    "{flag}: the KV cache would take {} bytes ({} blocks of {} tokens in {} layers), more than the {avail} bytes of memory available",
-                    plan.bytes,
-                    plan.num_blocks,
-                    args.block_size,
-                    layers.len()
-                );
-            }
-        }
-    }
-    Ok((plan, flag))
+    let spec = KvCacheSpec {
+        sizing,
+        window_blocks: args.window_blocks,
+        prefix_caching: args.prefix_caching,
+    };
+    (spec, flag)
 }
 
 /// What became of one prompt.
@@ -522,11 +501,7 @@ enum Outcome {
 pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
     let prompts = read_prompts(&args)?;
     check_flags(&args, prompts.len())?;
-    let dev = match args.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0).context("--device cuda")?,
-        d => bail!("--device must be cpu or cuda, got {d}"),
-    };
+    let dev = flags::device(&args.device)?;
     if let Some(note) = unused_utilization_note(&args, &dev) {
         eprintln!("{note}");
     }
@@ -559,25 +534,27 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
         }
     }
     let model = loaded.model.as_ref();
-    let layers: Vec<&Attention> = model.attention_layers();
-    let (plan, sized_by) = cache_plan(&args, model, &dev)?;
-    let num_blocks = plan.num_blocks;
-    let cache_config = CacheConfig {
-        num_blocks,
-        window_blocks: args.window_blocks,
-        prefix_caching: args.prefix_caching,
-    };
-    let cache = PagedKvCache::new(&layers, cache_config, model.dtype(), &dev)
-        .with_context(|| format!("allocating the KV cache of {num_blocks} blocks per layer ({sized_by}, --block-size)"))?;
+    let (spec, sized_by) = cache_spec(&args, &dev);
+    let (mut engine, plan) = EngineBuilder::new(model)
+        .cache(spec)
+        .scheduler(SchedulerConfig {
+            max_batch_tokens: args.chunk_tokens,
+            max_num_seqs: args.max_num_seqs,
+        })
+        .cuda_graphs(!args.no_cuda_graph)
+        .build()
+        .with_context(|| format!("{sized_by}, --block-size {}", args.block_size))?;
+    let kv_bytes = engine.cache().memory_bytes();
     eprintln!(
-        "model {} loaded in {:.2?} on {:?}; context {} tokens; KV cache: {} layers x {num_blocks} blocks of {} tokens = {:.1} MiB ({}), sized by {sized_by}",
+        "model {} loaded in {:.2?} on {:?}; context {} tokens; KV cache: {} layers x {} blocks of {} tokens = {:.1} MiB ({}), sized by {sized_by}",
         loaded.name,
         start.elapsed(),
         dev,
         model.max_seq_len(),
-        layers.len(),
+        model.attention_layers().len(),
+        plan.num_blocks,
         args.block_size,
-        mib(cache.memory_bytes()),
+        mib(kv_bytes),
         args.kv_cache_dtype
     );
     if let Some(p) = plan.profile {
@@ -590,17 +567,6 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
             mib(plan.budget_bytes.unwrap_or(0))
         );
     }
-    let kv_bytes = cache.memory_bytes();
-    let mut engine = Engine::new(
-        model,
-        cache,
-        SchedulerConfig {
-            max_batch_tokens: args.chunk_tokens,
-            max_num_seqs: args.max_num_seqs,
-        },
-    )
-    .with_context(|| sized_by.clone())?
-    .with_cuda_graphs(!args.no_cuda_graph);
     let mut outcomes: Vec<Outcome> = Vec::with_capacity(prompts.len());
     let mut prompt_tokens = 0;
     let markers = loaded.tokenizer.special_texts();
@@ -782,17 +748,6 @@ fn decode_path<M: PagedModel + ?Sized>(engine: &Engine<'_, M>) -> String {
         );
     }
     line
-}
-
-/// `--dtype`: `auto` is f32 on the CPU and bf16 on CUDA.
-fn activation_dtype(flag: &str, dev: &Device) -> Result<DType> {
-    Ok(match flag {
-        "auto" if dev.is_cuda() => DType::BF16,
-        "auto" | "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        d => bail!("--dtype must be auto, f32, bf16 or f16, got {d}"),
-    })
 }
 
 fn report(

@@ -13,14 +13,16 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use anyhow::{Context, Result};
 use candle_paged_attention::engine::{
-    CacheSizing, SchedulerConfig, DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION,
+    CacheSizing, KvCacheSpec, SchedulerConfig, DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
-use candle_paged_attention::models::{load, CacheConfig, LoadOptions, PagedKvCache, PagedOptions};
+use candle_paged_attention::models::{load, LoadOptions, PagedOptions};
 use candle_paged_attention::server::{serve, LoadedModel, ServeConfig, Server};
 use clap::Parser;
+
+#[path = "common/flags.rs"]
+mod flags;
 
 #[derive(Parser, Debug)]
 #[command(about = "Serve a paged model over an OpenAI-compatible HTTP API")]
@@ -89,31 +91,10 @@ struct Args {
     shutdown_timeout_secs: u64,
 }
 
-fn device(flag: &str) -> Result<Device> {
-    Ok(match flag {
-        "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0)?,
-        d => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-            Some(n) => Device::new_cuda(n)?,
-            None => bail!("--device must be cpu, cuda or cuda:N, got {d}"),
-        },
-    })
-}
-
-fn activation_dtype(flag: &str, dev: &Device) -> Result<DType> {
-    Ok(match flag {
-        "auto" if dev.is_cuda() => DType::BF16,
-        "auto" | "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        d => bail!("--dtype must be auto, f32, bf16 or f16, got {d}"),
-    })
-}
-
 /// Loads the checkpoint and sizes its KV cache (on the engine thread).
 fn load_model(args: &Args) -> Result<LoadedModel> {
-    let dev = device(&args.device)?;
-    let dtype = activation_dtype(&args.dtype, &dev)?;
+    let dev = flags::device(&args.device)?;
+    let dtype = flags::activation_dtype(&args.dtype, &dev)?;
     let template_source = match &args.chat_template {
         Some(p) => Some(
             std::fs::read_to_string(p)
@@ -163,15 +144,13 @@ fn load_model(args: &Args) -> Result<LoadedModel> {
             max_num_seqs: args.max_num_seqs,
         },
     };
-    let plan = sizing
-        .plan(model.as_ref(), None)
-        .with_context(|| format!("sizing the KV cache ({sizing:?})"))?;
-    let config = CacheConfig {
+    let spec = KvCacheSpec {
         prefix_caching: args.prefix_caching,
-        ..CacheConfig::new(plan.num_blocks)
+        ..KvCacheSpec::new(sizing)
     };
-    let cache = PagedKvCache::new(&model.attention_layers(), config, model.dtype(), &dev)
-        .with_context(|| format!("allocating {} KV cache blocks", plan.num_blocks))?;
+    let (cache, plan) = spec
+        .build(model.as_ref())
+        .with_context(|| format!("sizing and allocating the KV cache ({sizing:?})"))?;
     eprintln!(
         "KV cache: {} blocks of {} tokens ({:.1} MiB)",
         plan.num_blocks,

@@ -47,6 +47,8 @@
 
 #[path = "serve_load/client.rs"]
 mod client;
+#[path = "common/flags.rs"]
+mod flags;
 // Shared with the throughput runner, which uses all of them.
 #[allow(dead_code)]
 #[path = "throughput/paged.rs"]
@@ -64,11 +66,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use candle_paged_attention::engine::SchedulerConfig;
+use candle_paged_attention::engine::{CacheSizing, KvCacheSpec, SchedulerConfig};
 use candle_paged_attention::models::{
-    llama, load, CacheConfig, LoadOptions, PagedKvCache, PagedModel, PagedOptions,
+    llama, load, LoadOptions, PagedKvCache, PagedModel, PagedOptions,
 };
 use candle_paged_attention::server::{serve, LoadedModel, ServeConfig, Server};
 use candle_paged_attention::text::tokenizer::{ModelTokenizer, SpecialTokens};
@@ -106,7 +107,7 @@ struct Args {
     /// cpu or cuda.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Activation dtype: auto (bf16 on CUDA, f32 on the CPU), f32, bf16.
+    /// Activation dtype: auto (bf16 on CUDA, f32 on the CPU), f32, bf16 or f16.
     #[arg(long, default_value = "auto")]
     dtype: String,
     /// Clients of the closed-loop levels.
@@ -159,23 +160,6 @@ struct Args {
     json: Option<PathBuf>,
 }
 
-fn device(flag: &str) -> Result<Device> {
-    Ok(match flag {
-        "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0)?,
-        d => bail!("--device must be cpu or cuda, got {d}"),
-    })
-}
-
-fn dtype(args: &Args, dev: &Device) -> Result<DType> {
-    Ok(match args.dtype.as_str() {
-        "auto" if dev.is_cuda() => DType::BF16,
-        "auto" | "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        d => bail!("--dtype must be auto, f32 or bf16, got {d}"),
-    })
-}
-
 /// One token per id: id `i` reads " t{i}", so that any id sequence decodes.
 fn id_tokenizer(vocab: usize) -> Result<ModelTokenizer> {
     let words: serde_json::Map<String, Value> =
@@ -209,8 +193,8 @@ fn id_tokenizer(vocab: usize) -> Result<ModelTokenizer> {
 type ModelParts = (Box<dyn PagedModel>, ModelTokenizer, String, Vec<u32>);
 
 fn load_model(args: &Args) -> Result<ModelParts> {
-    let dev = device(&args.device)?;
-    let dtype = dtype(args, &dev)?;
+    let dev = flags::device(&args.device)?;
+    let dtype = flags::activation_dtype(&args.dtype, &dev)?;
     let paged = PagedOptions {
         block_size: args.block_size,
         ..PagedOptions::default()
@@ -258,12 +242,9 @@ fn load_model(args: &Args) -> Result<ModelParts> {
 }
 
 fn cache(model: &dyn PagedModel, num_blocks: usize) -> Result<PagedKvCache> {
-    Ok(PagedKvCache::new(
-        &model.attention_layers(),
-        CacheConfig::new(num_blocks),
-        model.dtype(),
-        model.device(),
-    )?)
+    Ok(KvCacheSpec::new(CacheSizing::Blocks(num_blocks))
+        .build(model)?
+        .0)
 }
 
 /// One row of the report: a load through the server and the same requests

@@ -95,6 +95,10 @@
 //! H200's measured copy bandwidth; on the CPU only when the flag gives one). `--json PATH` writes everything as JSON;
 //! `--no-reference` skips the dense side, `--no-warmup` the warm-up request.
 
+// Its `--gguf-dtype` is parsed here; the other shared flags are used.
+#[allow(dead_code)]
+#[path = "common/flags.rs"]
+mod flags;
 #[path = "throughput/paged.rs"]
 mod paged;
 #[path = "throughput/random_llama.rs"]
@@ -112,11 +116,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use candle_paged_attention::engine::{CacheSizing, SchedulerConfig};
+use candle_paged_attention::engine::{CacheSizing, KvCacheSpec, SchedulerConfig};
 use candle_paged_attention::models::quantized_gemma3::QuantizedGemma3;
-use candle_paged_attention::models::{
-    llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
-};
+use candle_paged_attention::models::{llama, quantized_llama, PagedModel, PagedOptions};
 use candle_paged_attention::Attention;
 
 /// The copy bandwidth of the weight-read floor on CUDA without
@@ -544,11 +546,7 @@ fn main() -> Result<()> {
         // quantized_llama then holds f32 weights like our dequantized model.
         std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
     }
-    let dev = match args.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0)?,
-        d => bail!("--device must be cpu or cuda, got {d}"),
-    };
+    let dev = flags::device(&args.device)?;
     let opts = PagedOptions {
         block_size: args.block_size,
         ..Default::default()
@@ -639,9 +637,13 @@ fn main() -> Result<()> {
             CacheSizing::Blocks(need.iter().take(args.max_num_seqs).sum::<usize>().max(1))
         }
     };
-    let plan = sizing
-        .plan(model, None)
-        .context("sizing the KV cache (--num-blocks, --kv-memory-mb, --gpu-memory-utilization)")?;
+    let spec = KvCacheSpec {
+        prefix_caching: args.prefix_caching,
+        ..KvCacheSpec::new(sizing)
+    };
+    let (cache, plan) = spec.build(model).context(
+        "sizing and allocating the KV cache (--num-blocks, --kv-memory-mb, --gpu-memory-utilization)",
+    )?;
     let num_blocks = plan.num_blocks;
     let sized_by = match (&sizing, plan.profile) {
         (CacheSizing::Device { utilization, .. }, Some(p)) => format!(
@@ -655,11 +657,6 @@ fn main() -> Result<()> {
         (CacheSizing::Blocks(_), _) if args.num_blocks.is_some() => "sized by --num-blocks".into(),
         _ => "sized for the --max-num-seqs longest requests".into(),
     };
-    let cache_config = CacheConfig {
-        prefix_caching: args.prefix_caching,
-        ..CacheConfig::new(num_blocks)
-    };
-    let cache = PagedKvCache::new(&layers, cache_config, model.dtype(), &dev)?;
     let kv_mib = cache.memory_bytes() as f64 / (1 << 20) as f64;
     let sched = SchedulerConfig {
         max_batch_tokens: args.chunk_tokens,

@@ -68,7 +68,7 @@ fn flags_are_checked_before_loading_and_name_the_flag() -> Result<()> {
             &["--prefix-caching", "--window-blocks", "8"],
             "--prefix-caching cannot be combined with --window-blocks",
         ),
-        (&["--device", "tpu"], "--device must be cpu or cuda, got tpu"),
+        (&["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got tpu"),
         (&["--top-k", "0"], "--top-k: sampling: top_k must be at least 1, got 0"),
         (
             &["--repeat-penalty", "0"],
@@ -212,13 +212,13 @@ fn cache_sizes_that_overflow_or_exceed_memory_name_the_flag() -> Result<()> {
     );
     let got = error_of(&["--num-blocks", "100000000000"])?;
     ensure!(
-        got.starts_with("--num-blocks 100000000000: the KV cache would take 73728000000000000 bytes (100000000000 blocks of 16 tokens in 30 layers), more than the ")
-            && got.ends_with(" bytes of memory available"),
+        got.starts_with("--num-blocks 100000000000, --block-size 16: EngineBuilder: the KV cache would take 73728000000000000 bytes (100000000000 blocks per layer, 30 layers), more than the ")
+            && got.contains(" bytes of memory available"),
         "{got}"
     );
     let got = error_of(&["--kv-memory-mb", "1000000000000"])?;
     ensure!(
-        got.starts_with("--kv-memory-mb 1000000000000: the KV cache would take "),
+        got.starts_with("--kv-memory-mb 1000000000000, --block-size 16: EngineBuilder: the KV cache would take "),
         "{got}"
     );
     let got = error_of(&["--block-size", "100000000"])?;

@@ -72,6 +72,7 @@
 //! ```
 
 mod buckets;
+mod builder;
 #[cfg(feature = "cuda")]
 mod graphs;
 mod profile;
@@ -85,6 +86,7 @@ use std::time::Instant;
 use candle_core::{bail, Error, Result};
 
 pub use buckets::{decode_bucket, decode_split_plan_keys, BATCH_BUCKETS, MIN_TABLE_WIDTH};
+pub use builder::{EngineBuilder, KvCacheSpec};
 #[cfg(feature = "cuda")]
 pub use graphs::{DecodeGraphs, GraphStats};
 pub use profile::{
