@@ -7,7 +7,7 @@
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::cache::LayerKvCache;
-use crate::metadata::AttentionMetadata;
+use crate::metadata::{AttentionMetadata, GraphMode};
 use crate::ops::paged_attention::paged_attention;
 use crate::ops::reshape_and_cache::reshape_and_cache;
 use crate::ops::rotary_cache::{rotary_reshape_and_cache, rotate, RotaryRows};
@@ -396,9 +396,9 @@ impl Attention {
             .with_alibi_slopes(self.options.alibi_slopes.clone())
             .with_sinks(self.options.sinks.clone())
             .with_kv_scales(scales)
-            .with_kv_split(match (self.options.kv_split, metadata.split_plan_keys()) {
-                (KvSplit::Auto, Some(keys)) => {
-                    KvSplit::AutoUpTo(u32::try_from(keys).unwrap_or(u32::MAX))
+            .with_kv_split(match (self.options.kv_split, metadata.graph_mode()) {
+                (KvSplit::Auto, GraphMode::Replayable { plan_keys }) => {
+                    KvSplit::AutoUpTo(u32::try_from(plan_keys).unwrap_or(u32::MAX))
                 }
                 (split, _) => split,
             });

@@ -86,9 +86,30 @@ pub struct AttentionMetadata {
     num_decodes: usize,
     window_groups: Vec<WindowGroup>,
     local: Mutex<HashMap<(Option<usize>, usize), PagedBatch>>,
-    /// Plan split-KV for sequences of up to this many keys (see
-    /// [`AttentionMetadata::with_split_plan_keys`]).
-    split_plan_keys: Option<usize>,
+    /// How the step's launches are planned (see [`GraphMode`]).
+    graph_mode: GraphMode,
+}
+
+/// How the attention launches of a step are planned: for the batch alone,
+/// or for its CUDA-graph bucket, so that a graph captured on one batch of
+/// the bucket replays any other.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GraphMode {
+    /// Planned for this batch's own lengths (prefills, mixed steps, and
+    /// every caller outside the engine's decode steps).
+    #[default]
+    Eager,
+    /// Planned for the batch's shape alone (sequences, tokens, table width):
+    /// the split-KV of the layers whose policy is
+    /// [`KvSplit::Auto`](crate::KvSplit::Auto) is chosen for sequences of up
+    /// to `plan_keys` keys. A graph captured on such a step replays with new
+    /// lengths, and an eager step of the same batch launches the same
+    /// programs (so both sum the same partials in the same order).
+    Replayable {
+        /// Keys the split-KV is planned for (the bucket's
+        /// `table width x block_size`).
+        plan_keys: usize,
+    },
 }
 
 impl AttentionMetadata {
@@ -132,24 +153,20 @@ impl AttentionMetadata {
             num_decodes,
             window_groups: Vec::new(),
             local: Mutex::new(HashMap::new()),
-            split_plan_keys: None,
+            graph_mode: GraphMode::Eager,
         })
     }
 
-    /// Plans the split-KV of the layers' decode launches (those whose policy
-    /// is [`KvSplit::Auto`](crate::KvSplit::Auto)) for sequences of up to
-    /// `keys` keys instead of this batch's own lengths: the launches then
-    /// depend only on the batch's shape, as a CUDA graph replayed with new
-    /// lengths needs.
-    pub fn with_split_plan_keys(mut self, keys: usize) -> Self {
-        self.split_plan_keys = Some(keys);
+    /// This metadata with its launches planned as `mode` says.
+    pub fn with_graph_mode(mut self, mode: GraphMode) -> Self {
+        self.graph_mode = mode;
         self
     }
 
-    /// The key count split-KV is planned for, when set by
-    /// [`with_split_plan_keys`](Self::with_split_plan_keys).
-    pub fn split_plan_keys(&self) -> Option<usize> {
-        self.split_plan_keys
+    /// How the step's launches are planned ([`GraphMode::Eager`] unless
+    /// [`with_graph_mode`](Self::with_graph_mode) said otherwise).
+    pub fn graph_mode(&self) -> GraphMode {
+        self.graph_mode
     }
 
     /// This batch with `num_seqs - self.num_seqs()` padding sequences
@@ -209,7 +226,7 @@ impl AttentionMetadata {
             let (batch, slots) = pad(&g.batch, &g.slot_mapping)?;
             out = out.with_window_group(g.window, batch, slots)?;
         }
-        out.split_plan_keys = self.split_plan_keys;
+        out.graph_mode = self.graph_mode;
         Ok(out)
     }
 

@@ -5,7 +5,7 @@
 //! [`BATCH_BUCKETS`] `>= n` sequences with tables of `W` = the next power of
 //! two `>=` its table width, at least [`MIN_TABLE_WIDTH`] blocks. Its
 //! split-KV is planned for `W * block_size` keys
-//! ([`AttentionMetadata::with_split_plan_keys`](crate::AttentionMetadata::with_split_plan_keys)):
+//! ([`GraphMode::Replayable`](crate::GraphMode::Replayable)):
 //! a graph's launches then depend only on its shape, and an eager step of
 //! the same batch launches the same programs, so both sum the same partials
 //! in the same order.

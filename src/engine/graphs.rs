@@ -61,7 +61,7 @@ use candle_core::{
 
 use super::buckets::decode_bucket;
 use crate::attention::Attention;
-use crate::metadata::AttentionMetadata;
+use crate::metadata::{AttentionMetadata, GraphMode};
 use crate::models::{PagedKvCache, PagedModel};
 
 const OP: &str = "decode-graph";
@@ -166,7 +166,7 @@ impl DecodeGraphs {
         let bs = host.block_size();
         let padded = metadata
             .padded(b, w, &Device::Cpu)?
-            .with_split_plan_keys(w * bs);
+            .with_graph_mode(GraphMode::Replayable { plan_keys: w * bs });
         check_blocks(&layers, cache, &padded)?;
         let mut ids = token_ids.to_vec();
         ids.resize(b, 0);
@@ -228,7 +228,9 @@ impl DecodeGraphs {
         }
         let padded = padding
             .padded(b, w, &Device::Cpu)?
-            .with_split_plan_keys(w * host.block_size());
+            .with_graph_mode(GraphMode::Replayable {
+                plan_keys: w * host.block_size(),
+            });
         Ok(self.ensure(model, cache, &padded, &vec![0; b])?.is_some())
     }
 

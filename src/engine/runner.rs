@@ -18,6 +18,7 @@ use super::scheduler::SchedulerConfig;
 use super::OP;
 use crate::cache::{BlockManager, ScheduledBatch, Work};
 use crate::models::{PagedKvCache, PagedModel};
+use crate::GraphMode;
 
 /// What a successful forward pass hands to the sampling of a step.
 pub(super) struct StepLogits {
@@ -202,8 +203,10 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
             // Eager or graph, a decode step plans split-KV for its
             // bucket's width (see `decode_split_plan_keys`).
             let host = batch.metadata.batch().host();
-            let keys = decode_split_plan_keys(host.block_table_width(), host.block_size());
-            batch.metadata = batch.metadata.with_split_plan_keys(keys);
+            let plan_keys = decode_split_plan_keys(host.block_table_width(), host.block_size());
+            batch.metadata = batch
+                .metadata
+                .with_graph_mode(GraphMode::Replayable { plan_keys });
         }
         Ok(batch)
     }
