@@ -9,7 +9,7 @@
 //! [`reshape_and_cache`] writes new keys and values into their slots.
 //!
 //! The CPU path is a fast, parallel CPU kernel with every feature; the `cuda`
-//! feature adds compiled CUDA kernels for the same ops. [`reference`] holds a
+//! feature adds compiled CUDA kernels for the same ops. [`reference`](mod@reference) holds a
 //! naive f64 implementation that both are tested against.
 //!
 //! # Features

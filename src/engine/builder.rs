@@ -8,8 +8,7 @@
 use candle_core::{bail, Result};
 
 use super::{CachePlan, CacheSizing, Engine, SchedulerConfig};
-use crate::models::registry::host_memory_available;
-use crate::models::{CacheConfig, PagedKvCache, PagedModel};
+use crate::models::{host_memory_available, CacheConfig, PagedKvCache, PagedModel};
 
 const OP: &str = "EngineBuilder";
 

@@ -189,7 +189,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// token, at most 256 of them) on a CUDA device run as CUDA-graph
     /// replays: on (the default), each batch bucket and table width is
     /// captured on its first step and replayed after (see
-    /// [`DecodeGraphs`](crate::engine::DecodeGraphs), feature
+    /// `DecodeGraphs`, feature
     /// `cuda`); off, every step launches its kernels one by one. Prefills
     /// and mixed steps always run eagerly; on the CPU, or built without the
     /// `cuda` feature, this has no effect. The tokens are the same either way.

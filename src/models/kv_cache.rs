@@ -267,6 +267,15 @@ impl CacheFootprint {
     }
 }
 
+/// The memory available to this process in bytes (`MemAvailable` of
+/// `/proc/meminfo`, Linux), `None` where unknown.
+pub fn host_memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -74,7 +74,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use crate::attention::{Attention, KvCacheDtype};
 use crate::metadata::AttentionMetadata;
 
-pub use kv_cache::{CacheConfig, CacheFootprint, PagedKvCache};
+pub use kv_cache::{host_memory_available, CacheConfig, CacheFootprint, PagedKvCache};
 #[cfg(feature = "models")]
 pub use registry::{load, Dequantize, LoadOptions, Loaded};
 pub use rotary::{Rotary, RotaryEmbedding};

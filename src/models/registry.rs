@@ -452,14 +452,7 @@ pub fn load_config(
     Ok((loader(config, vb, options)?, architecture))
 }
 
-/// The memory available to this process in bytes (`MemAvailable` of
-/// `/proc/meminfo`, Linux), `None` where unknown.
-pub fn host_memory_available() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
+pub use super::kv_cache::host_memory_available;
 
 /// [`Dequantize::Auto`]: whether GGUF content `ct` is dequantized on
 /// `device`, and a note saying why. Dequantized on the CPU when the file
