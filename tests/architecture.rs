@@ -12,8 +12,9 @@
 //!   never `text` or `server`; `server` may import all three.
 //!
 //! * `parallel` (tensor parallelism) sits beside `models`: its sharding
-//!   plan and communicators are leaves, and it imports neither `engine`,
-//!   `server` nor `text`.
+//!   plan, communicators and parallel layers are leaves that the decoder
+//!   stack uses, and its lockstep model imports `models`, never `engine`,
+//!   `server` or `text`.
 //!
 //! Paths are resolved to the crate root: `crate::x`, `super::...::x` (from
 //! the file's own module) and grouped `crate::{x, y}` all count.
@@ -259,7 +260,7 @@ const NOT_PARALLEL: [&str; 14] = [
 fn the_sharding_plan_communicators_and_parallel_layers_are_leaves() {
     // The decoder stack imports them, so they import nothing of the crate
     // outside `parallel` (no cycle through `models`).
-    for leaf in ["parallel/shard", "parallel/comm"] {
+    for leaf in ["parallel/shard", "parallel/comm", "parallel/layers"] {
         assert_eq!(violations(leaf, &NOT_PARALLEL), Vec::<String>::new());
     }
     // The checker sees what the leaves import from each other.
@@ -276,6 +277,8 @@ fn tensor_parallelism_imports_neither_the_engine_the_server_nor_text() {
         violations("parallel", &["engine", "server", "text"]),
         Vec::<String>::new()
     );
+    // The rule scans files that import the models (the lockstep model).
+    assert!(!violations("parallel", &["models"]).is_empty());
 }
 
 /// The top-level modules the serving half may not import, by module.
