@@ -131,6 +131,7 @@ impl PagedKvCache {
     }
 
     /// Every layer's cache, in order.
+    #[cfg(feature = "models")]
     pub(crate) fn layers(&self) -> &[LayerKvCache] {
         &self.layers
     }
