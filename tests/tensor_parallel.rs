@@ -430,6 +430,9 @@ impl Communicator for Faulty {
     fn abort(&self, reason: &str) {
         self.inner.abort(reason)
     }
+    fn failure(&self) -> Option<String> {
+        self.inner.failure()
+    }
     fn reset(&self) -> candle_core::Result<()> {
         self.inner.reset()
     }
@@ -487,21 +490,21 @@ fn a_failing_rank_fails_the_step_for_every_rank_and_the_engine_rolls_back() -> R
             1,
             Fault::Error,
             long,
-            "tensor-parallel: rank 1 of 2 failed, so the step failed on every rank: injected failure at collective 9",
+            "tensor-parallel: the step failed on every rank of 2: rank 1 failed: injected failure at collective 9",
         ),
         (
             4,
             3,
             Fault::Panic,
             long,
-            "tensor-parallel: rank 3 of 4 failed, so the step failed on every rank: panicked: injected panic at collective 9",
+            "tensor-parallel: the step failed on every rank of 4: rank 3 failed: panicked: injected panic at collective 9",
         ),
         (
             4,
             2,
             Fault::Stall(stall * 3),
             stall,
-            "waiting for ranks [2] in collective 9",
+            "timed out after 1s waiting for ranks [2] in collective 9",
         ),
     ] {
         let model = faulty_model(&family, &w, world_size, bad, fault, 9, timeout)?;
@@ -610,8 +613,7 @@ fn sharding_errors_name_the_argument_and_the_value() -> Result<()> {
         .unwrap_err()
         .to_string();
     ensure!(
-        err.starts_with("tensor-parallel: rank ")
-            && err.contains("of 2 failed, so the step failed on every rank")
+        err.starts_with("tensor-parallel: the step failed on every rank of 2: rank ")
             && err.contains("outside the vocabulary of 130"),
         "{err}"
     );

@@ -49,6 +49,11 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// naming it until [`reset`](Self::reset).
     fn abort(&self, reason: &str);
 
+    /// Why the group's current step failed (the first abort, or the first
+    /// collective that timed out), until [`reset`](Self::reset); `None`
+    /// while it has not failed.
+    fn failure(&self) -> Option<String>;
+
     /// Clears a failure and any half-finished collective so that the next
     /// step starts clean. Call it once, when no rank is inside a collective
     /// (after every rank has returned from the failed step).
@@ -179,7 +184,8 @@ impl LocalGroup {
         })?;
         if timeout.timed_out() && Instant::now() >= deadline && st.failure.is_none() {
             let reason = format!(
-                "timed out after {:?} waiting for {}",
+                "rank {} timed out after {:?} waiting for {}",
+                self.rank,
                 self.shared.timeout,
                 what(&st)
             );
@@ -333,6 +339,13 @@ impl Communicator for LocalGroup {
         }
     }
 
+    fn failure(&self) -> Option<String> {
+        match self.shared.state.lock() {
+            Ok(st) => st.failure.clone(),
+            Err(_) => Some("a rank panicked in a collective".to_string()),
+        }
+    }
+
     fn reset(&self) -> Result<()> {
         let mut st = self.lock()?;
         let completed = st.completed;
@@ -440,7 +453,13 @@ mod tests {
         // The late rank fails at once too; after a reset the group works.
         let late = group[2].all_reduce_sum(&Tensor::new(&[1f32], &dev)?);
         assert!(late.unwrap_err().to_string().contains("the group failed"));
+        let why = group[2].failure().expect("a failure");
+        assert!(
+            why.contains("timed out after 200ms waiting for ranks [2]"),
+            "{why}"
+        );
         group[0].reset()?;
+        assert_eq!(group[2].failure(), None);
         let out = on_ranks(&group, |c| {
             c.all_reduce_sum(&Tensor::new(&[2f32], &dev)?)?
                 .to_vec1::<f32>()
@@ -472,6 +491,10 @@ mod tests {
                 assert!(err.contains("rank 1: injected failure"), "rank {r}: {err}");
             }
         }
+        assert_eq!(
+            group[3].failure().as_deref(),
+            Some("rank 1: injected failure")
+        );
         Ok(())
     }
 

@@ -36,9 +36,9 @@ const OP: &str = "tensor-parallel";
 ///
 /// **Failures.** A rank whose forward pass fails (or panics) aborts the
 /// group: the ranks waiting in a collective return at once, and the step
-/// fails with the first failing rank's error, for every rank; a rank that
-/// never reaches a collective fails the others after the communicator's
-/// timeout. The group is then reset, and the caller (the
+/// fails for every rank with the group's [`failure`](Communicator::failure)
+/// (the failing rank and its error); a rank that never reaches a
+/// collective fails the others after the communicator's timeout. The group is then reset, and the caller (the
 /// [`Engine`](crate::engine::Engine) rolls the step back) may run the step
 /// again. A step never hangs.
 #[derive(Debug)]
@@ -259,12 +259,17 @@ impl PagedModel for TensorParallel {
             let mut results = results;
             return results.swap_remove(0);
         }
+        // The group's first failure is the cause (the others' errors follow
+        // from it); else the first rank that failed.
+        let reason = self.comms.iter().find_map(|c| c.failure()).or_else(|| {
+            let first = first_failure.into_inner().ok().flatten();
+            first.map(|(r, msg)| format!("rank {r} failed: {msg}"))
+        });
         // Every rank has returned: clear the failed step's collectives.
         for c in &self.comms {
             c.reset()?;
         }
-        let failure = first_failure.into_inner().ok().flatten();
-        let (r, msg) = failure.unwrap_or_else(|| (0, "an unknown failure".to_string()));
-        bail!("{OP}: rank {r} of {n} failed, so the step failed on every rank: {msg}")
+        let reason = reason.unwrap_or_else(|| "an unknown failure".to_string());
+        bail!("{OP}: the step failed on every rank of {n}: {reason}")
     }
 }
