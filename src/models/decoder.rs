@@ -399,7 +399,7 @@ impl DecoderStack {
 
     /// Loads rank `comm.rank()`'s shard of `spec` for a tensor-parallel
     /// group of `comm.world_size()` ranks (see
-    /// [`ShardPlan`](crate::parallel::ShardPlan)): the full weights are read
+    /// [`ShardPlan`]): the full weights are read
     /// from `vb` and sliced. q/k/v and gate/up keep this rank's output rows
     /// (heads, intermediate columns), o and down its input columns (their
     /// partial outputs are summed over the group, then o's bias is added
