@@ -72,6 +72,8 @@ mod metadata;
 #[cfg(feature = "engine")]
 pub mod models;
 mod ops;
+#[cfg(feature = "models")]
+pub mod parallel;
 mod params;
 pub mod reference;
 pub mod remap;

@@ -11,6 +11,11 @@
 //!   continuous-batching engine) imports `models`, the cache and the ops,
 //!   never `text` or `server`; `server` may import all three.
 //!
+//! * `parallel` (tensor parallelism) sits beside `models`: its sharding
+//!   plan, communicators and parallel layers are leaves that the decoder
+//!   stack uses, and its lockstep model imports `models`, never `engine`,
+//!   `server` or `text`.
+//!
 //! Paths are resolved to the crate root: `crate::x`, `super::...::x` (from
 //! the file's own module) and grouped `crate::{x, y}` all count.
 
@@ -231,6 +236,49 @@ fn only_the_module_root_and_the_examples_sit_above_the_registry() {
         .collect();
     bad.sort();
     assert_eq!(bad, Vec::<String>::new());
+}
+
+/// Every top-level module of the crate but `parallel`.
+const NOT_PARALLEL: [&str; 14] = [
+    "attention",
+    "batch",
+    "cache",
+    "cpu",
+    "cuda",
+    "engine",
+    "metadata",
+    "models",
+    "ops",
+    "params",
+    "reference",
+    "remap",
+    "server",
+    "text",
+];
+
+#[test]
+fn the_sharding_plan_communicators_and_parallel_layers_are_leaves() {
+    // The decoder stack imports them, so they import nothing of the crate
+    // outside `parallel` (no cycle through `models`).
+    for leaf in ["parallel/shard", "parallel/comm", "parallel/layers"] {
+        assert_eq!(violations(leaf, &NOT_PARALLEL), Vec::<String>::new());
+    }
+    // The checker sees what the leaves import from each other.
+    let module = vec!["parallel".to_string(), "layers".to_string()];
+    assert_eq!(
+        referenced_top_modules(&module, "use super::comm::Communicator;"),
+        ["parallel"]
+    );
+}
+
+#[test]
+fn tensor_parallelism_imports_neither_the_engine_the_server_nor_text() {
+    assert_eq!(
+        violations("parallel", &["engine", "server", "text"]),
+        Vec::<String>::new()
+    );
+    // The rule scans files that import the models (the lockstep model).
+    assert!(!violations("parallel", &["models"]).is_empty());
 }
 
 /// The top-level modules the serving half may not import, by module.

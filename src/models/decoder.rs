@@ -10,8 +10,10 @@
 //! (one kernel on CUDA), and the q/k rotation with the cache write when the
 //! heads rotate whole.
 
+use std::sync::Arc;
+
 use candle_core::{bail, DType, Device, Result, Tensor};
-use candle_nn::{Activation, Embedding, Linear, Module, VarBuilder};
+use candle_nn::{Activation, Linear, Module, VarBuilder};
 
 use super::layers::{FusedLinear, FusedRmsNorm, GatedMlp};
 use super::limits;
@@ -20,6 +22,11 @@ use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, Pag
 use crate::attention::{Attention, AttentionOptions};
 use crate::cache::LayerKvCache;
 use crate::metadata::AttentionMetadata;
+use crate::parallel::comm::Communicator;
+use crate::parallel::layers::{
+    narrow_range, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
+};
+use crate::parallel::shard::{ShardConfig, ShardPlan};
 use crate::RotaryRows;
 
 /// Projections of one input in a checkpoint: one joined matrix, or `N`
@@ -167,6 +174,28 @@ pub struct DecoderSpec {
     pub tie_word_embeddings: bool,
 }
 
+impl DecoderSpec {
+    /// The shape that decides how the decoder shards over a
+    /// tensor-parallel group.
+    pub fn shard_config(&self) -> ShardConfig {
+        ShardConfig {
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            vocab_size: self.vocab_size,
+        }
+    }
+}
+
+/// A tensor-parallel rank: what it owns and its group.
+#[derive(Clone, Copy)]
+struct Rank<'a> {
+    plan: &'a ShardPlan,
+    comm: &'a Arc<dyn Communicator>,
+}
+
 /// The rotary tables of a stack.
 #[derive(Clone, Debug)]
 struct Rope {
@@ -215,7 +244,7 @@ fn rotate_partial(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> Resul
 struct SelfAttention {
     /// q, k and v as one matmul.
     qkv_proj: FusedLinear,
-    o_proj: Linear,
+    o_proj: RowParallelLinear,
     qk_norms: Option<(FusedRmsNorm, FusedRmsNorm)>,
     /// Whole heads rotate.
     full_rotary: bool,
@@ -223,11 +252,22 @@ struct SelfAttention {
 }
 
 impl SelfAttention {
-    fn load(spec: &DecoderSpec, i: usize, options: PagedOptions, vb: VarBuilder) -> Result<Self> {
+    /// Loads layer `i`'s attention; a rank's heads when `rank` is given.
+    fn load(
+        spec: &DecoderSpec,
+        i: usize,
+        options: PagedOptions,
+        vb: VarBuilder,
+        rank: Option<Rank>,
+    ) -> Result<Self> {
         let (h, kvh, d) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
+        let (local_h, local_kvh) = match rank {
+            Some(r) => (r.plan.q_heads().len(), r.plan.kv_heads().len()),
+            None => (h, kvh),
+        };
         let attn = Attention::new(
-            h,
-            kvh,
+            local_h,
+            local_kvh,
             d,
             1.0 / (d as f32).sqrt(),
             AttentionOptions {
@@ -249,6 +289,16 @@ impl SelfAttention {
             )?,
         };
         let o_proj = candle_nn::linear_b(h * d, hidden, spec.o_bias, vb.pp("o_proj"))?;
+        let (qkv_proj, o_proj) = match rank {
+            Some(r) => {
+                let (q, kv) = (r.plan.q_rows(), r.plan.kv_rows());
+                (
+                    qkv_proj.shard_rows(&[q.clone(), kv.clone(), kv])?,
+                    RowParallelLinear::shard(&o_proj, &q, r.comm.clone())?,
+                )
+            }
+            None => (qkv_proj, RowParallelLinear::whole(o_proj)),
+        };
         let qk_norms = match spec.qk_norm_eps {
             Some(eps) => Some((
                 FusedRmsNorm::load(d, eps, vb.pp("q_norm"))?,
@@ -328,10 +378,10 @@ struct DecoderLayer {
 #[derive(Clone, Debug)]
 pub struct DecoderStack {
     component: &'static str,
-    embed_tokens: Embedding,
+    embed_tokens: VocabParallelEmbedding,
     layers: Vec<DecoderLayer>,
     norm: FusedRmsNorm,
-    lm_head: Linear,
+    lm_head: VocabParallelHead,
     rope: Rope,
     vocab_size: usize,
     device: Device,
@@ -344,6 +394,46 @@ impl DecoderStack {
     /// `vb`; the dtype and device are `vb`'s. The family's loader checks its
     /// config ([`limits::DecoderShape`]) first.
     pub fn load(vb: VarBuilder, spec: &DecoderSpec, options: PagedOptions) -> Result<Self> {
+        Self::load_inner(vb, spec, options, None)
+    }
+
+    /// Loads rank `comm.rank()`'s shard of `spec` for a tensor-parallel
+    /// group of `comm.world_size()` ranks (see
+    /// [`ShardPlan`]): the full weights are read
+    /// from `vb` and sliced. q/k/v and gate/up keep this rank's output rows
+    /// (heads, intermediate columns), o and down its input columns (their
+    /// partial outputs are summed over the group, then o's bias is added
+    /// once), the embedding and the LM head its vocabulary rows (lookups
+    /// summed, logits gathered); norms and rotary tables are whole. The
+    /// attention layers hold this rank's KV heads only, so the caches built
+    /// from [`attention_layers`](PagedModel::attention_layers) do too.
+    ///
+    /// Every rank of the group must run each forward pass with the same
+    /// inputs (see [`TensorParallel`](crate::parallel::TensorParallel)).
+    /// With a world size of 1 this is [`load`](Self::load): no collective.
+    pub fn load_shard(
+        vb: VarBuilder,
+        spec: &DecoderSpec,
+        options: PagedOptions,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        let plan = ShardPlan::new(&spec.shard_config(), comm.world_size(), comm.rank())?;
+        if plan.world_size() == 1 {
+            return Self::load(vb, spec, options);
+        }
+        let rank = Rank {
+            plan: &plan,
+            comm: &comm,
+        };
+        Self::load_inner(vb, spec, options, Some(rank))
+    }
+
+    fn load_inner(
+        vb: VarBuilder,
+        spec: &DecoderSpec,
+        options: PagedOptions,
+        rank: Option<Rank>,
+    ) -> Result<Self> {
         let c = spec.component;
         let rotary_dim = 2 * spec.rope.inv_freq.len();
         if rotary_dim == 0 || rotary_dim > spec.head_dim {
@@ -369,13 +459,34 @@ impl DecoderStack {
         } else {
             candle_nn::linear_no_bias(hidden, spec.vocab_size, vb.pp("lm_head"))?
         };
+        let (embed_tokens, lm_head) = match rank {
+            Some(r) => {
+                let (rows, comm) = (r.plan.vocab(), r.comm.clone());
+                let embed = VocabParallelEmbedding::shard(embed_tokens.embeddings(), &rows, comm)?;
+                let weight = match spec.tie_word_embeddings {
+                    true => embed.table().clone(),
+                    false => narrow_range(lm_head.weight(), 0, &rows)?,
+                };
+                let head = VocabParallelHead::shard(
+                    weight,
+                    r.plan.vocab_chunk(),
+                    spec.vocab_size,
+                    r.comm.clone(),
+                )?;
+                (embed, head)
+            }
+            None => (
+                VocabParallelEmbedding::whole(embed_tokens),
+                VocabParallelHead::whole(lm_head),
+            ),
+        };
         let norm = FusedRmsNorm::load(hidden, eps, vb_m.pp("norm"))?;
         let mut layers = limits::layers_vec(spec.num_layers);
         for i in 0..spec.num_layers {
             let vb_l = vb_m.pp(format!("layers.{i}"));
             let rms = |name| FusedRmsNorm::load(hidden, eps, vb_l.pp(name));
             let input_layernorm = rms("input_layernorm")?;
-            let self_attn = SelfAttention::load(spec, i, options, vb_l.pp("self_attn"))?;
+            let self_attn = SelfAttention::load(spec, i, options, vb_l.pp("self_attn"), rank)?;
             let post_attention_layernorm = rms("post_attention_layernorm")?;
             let (vb_mlp, inter) = (vb_l.pp("mlp"), spec.intermediate_size);
             let gate_up = match spec.names.gate_up {
@@ -387,6 +498,16 @@ impl DecoderStack {
                 }
             };
             let down = candle_nn::linear_no_bias(inter, hidden, vb_mlp.pp("down_proj"))?;
+            let (gate_up, down) = match rank {
+                Some(r) => {
+                    let cols = r.plan.intermediate();
+                    (
+                        gate_up.shard_rows(&[cols.clone(), cols.clone()])?,
+                        RowParallelLinear::shard(&down, &cols, r.comm.clone())?,
+                    )
+                }
+                None => (gate_up, RowParallelLinear::whole(down)),
+            };
             layers.push(DecoderLayer {
                 input_layernorm,
                 self_attn,
@@ -449,6 +570,39 @@ impl PagedModel for DecoderStack {
         let c = self.component;
         check_input(c, input_ids, metadata, self.vocab_size)?;
         check_cache(c, cache, self.layers.len())?;
+        self.run(input_ids, metadata, cache.layers(), rows)
+    }
+}
+
+impl DecoderStack {
+    /// Decoder layers.
+    pub(crate) fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// [`PagedModel::forward`] over one cache per layer (`caches`, at least
+    /// `num_layers()` of them: a tensor-parallel rank's slice of a cache
+    /// shared by the ranks).
+    pub(crate) fn forward_layers(
+        &self,
+        input_ids: &Tensor,
+        metadata: &AttentionMetadata,
+        caches: &[LayerKvCache],
+        rows: &[usize],
+    ) -> Result<Tensor> {
+        check_input(self.component, input_ids, metadata, self.vocab_size)?;
+        self.run(input_ids, metadata, caches, rows)
+    }
+
+    /// The forward pass over checked inputs.
+    fn run(
+        &self,
+        input_ids: &Tensor,
+        metadata: &AttentionMetadata,
+        caches: &[LayerKvCache],
+        rows: &[usize],
+    ) -> Result<Tensor> {
+        let c = self.component;
         let (cos, sin) = self.rope.at(metadata)?;
         let mut x = self.embed_tokens.forward(input_ids)?;
         let Some(first) = self.layers.first() else {
@@ -459,9 +613,12 @@ impl PagedModel for DecoderStack {
         // per row, so selecting the rows after it changes nothing).
         let mut normed = first.input_layernorm.forward(&x)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = layer
-                .self_attn
-                .forward(&normed, (&cos, &sin), cache.layer(i)?, metadata)?;
+            let h = layer.self_attn.forward(
+                &normed,
+                (&cos, &sin),
+                layer_cache(c, caches, i)?,
+                metadata,
+            )?;
             (x, normed) = layer.post_attention_layernorm.add_forward(&x, &h)?;
             let h = normed.apply(&layer.mlp)?;
             let next = self
@@ -473,6 +630,21 @@ impl PagedModel for DecoderStack {
         select_rows(c, &normed, rows)?
             .apply(&self.lm_head)?
             .to_dtype(DType::F32)
+    }
+}
+
+/// The cache of layer `i` among `caches`.
+fn layer_cache<'a>(
+    component: &str,
+    caches: &'a [LayerKvCache],
+    i: usize,
+) -> Result<&'a LayerKvCache> {
+    match caches.get(i) {
+        Some(c) => Ok(c),
+        None => bail!(
+            "{component}: layer {i} has no cache; {} layer caches were given",
+            caches.len()
+        ),
     }
 }
 

@@ -130,6 +130,12 @@ impl PagedKvCache {
         }
     }
 
+    /// Every layer's cache, in order.
+    #[cfg(feature = "models")]
+    pub(crate) fn layers(&self) -> &[LayerKvCache] {
+        &self.layers
+    }
+
     /// The cache of layer `i`, or `None` when `i >= num_layers()`.
     pub fn get_layer(&self, i: usize) -> Option<&LayerKvCache> {
         self.layers.get(i)

@@ -1,10 +1,13 @@
 //! Small building blocks shared by the models.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::{Activation, Linear, Module, VarBuilder};
+
+use crate::parallel::layers::{narrow_range, RowParallelLinear};
 
 /// Gemma's RMS norm: `x / sqrt(mean(x^2) + eps) * (1 + weight)` over the last
 /// dimension (the `1 + weight` is folded in at load time).
@@ -114,6 +117,40 @@ impl FusedLinear {
         })
     }
 
+    /// A tensor-parallel rank's part: rows `rows[i]` of projection `i`
+    /// (and of its bias), joined again (column parallelism: q/k/v by
+    /// heads, gate/up by intermediate columns). `rows` has one range per
+    /// projection, each within its width.
+    pub(crate) fn shard_rows(&self, rows: &[Range<usize>]) -> Result<Self> {
+        if rows.len() != self.outs.len() {
+            bail!(
+                "fused-linear: {} row ranges for {} projections",
+                rows.len(),
+                self.outs.len()
+            );
+        }
+        let (mut weights, mut biases, mut start) = (Vec::new(), Vec::new(), 0);
+        for (range, &out) in rows.iter().zip(&self.outs) {
+            if range.end > out {
+                bail!("fused-linear: rows {range:?} of a projection of {out} rows");
+            }
+            let global = start + range.start..start + range.end;
+            weights.push(narrow_range(self.linear.weight(), 0, &global)?);
+            if let Some(b) = self.linear.bias() {
+                biases.push(narrow_range(b, 0, &global)?);
+            }
+            start += out;
+        }
+        let bias = match biases.is_empty() {
+            true => None,
+            false => Some(Tensor::cat(&biases, 0)?),
+        };
+        Ok(Self {
+            linear: Linear::new(Tensor::cat(&weights, 0)?, bias),
+            outs: rows.iter().map(|r| r.len()).collect(),
+        })
+    }
+
     /// `x` `(num_tokens, in_dim)` -> the projections side by side,
     /// `(num_tokens, sum(out_dim))`, from one matmul.
     pub(crate) fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
@@ -155,7 +192,7 @@ pub(crate) fn split_columns(y: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>>
 #[derive(Clone, Debug)]
 pub(crate) struct GatedMlp {
     gate_up: FusedLinear,
-    down: Linear,
+    down: RowParallelLinear,
     act: Activation,
 }
 
@@ -174,7 +211,11 @@ impl GatedMlp {
                 false,
                 &vb,
             )?,
-            down: candle_nn::linear_no_bias(intermediate, hidden, vb.pp("down_proj"))?,
+            down: RowParallelLinear::whole(candle_nn::linear_no_bias(
+                intermediate,
+                hidden,
+                vb.pp("down_proj"),
+            )?),
             act,
         })
     }
@@ -183,8 +224,13 @@ impl GatedMlp {
 impl GatedMlp {
     /// A block of an already-loaded `gate_up` (`(num_tokens, hidden)` ->
     /// `(num_tokens, 2 * inter)`, gate columns first) and `down`
-    /// (`inter -> hidden`).
-    pub(crate) fn from_parts(gate_up: FusedLinear, down: Linear, act: Activation) -> Self {
+    /// (`inter -> hidden`; a tensor-parallel rank's columns and the sum
+    /// over the ranks, or the whole layer).
+    pub(crate) fn from_parts(
+        gate_up: FusedLinear,
+        down: RowParallelLinear,
+        act: Activation,
+    ) -> Self {
         Self { gate_up, down, act }
     }
 }

@@ -65,67 +65,72 @@ impl Llama {
     /// Loads the weights of a Hugging Face Llama checkpoint (`model.*`,
     /// `lm_head`) from `vb`; the dtype and device are `vb`'s.
     pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Self> {
-        if cfg.num_attention_heads == 0 || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads)
+        Ok(Self(DecoderStack::load(vb, &spec(cfg)?, options)?))
+    }
+}
+
+/// The decoder of a Llama config, checked: what [`Llama::load`] builds
+/// (and [`TensorParallel`](crate::parallel::TensorParallel) shards).
+pub fn spec(cfg: &Config) -> Result<DecoderSpec> {
+    if cfg.num_attention_heads == 0 || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
+        bail!(
+            "{OP}: hidden_size {} is not a multiple of num_attention_heads {}",
+            cfg.hidden_size,
+            cfg.num_attention_heads
+        );
+    }
+    let head_dim = cfg.hidden_size / cfg.num_attention_heads;
+    DecoderShape {
+        component: OP,
+        source: "config.json ",
+        hidden_size: ("hidden_size", cfg.hidden_size),
+        num_heads: ("num_attention_heads", cfg.num_attention_heads),
+        num_kv_heads: ("num_key_value_heads", cfg.num_key_value_heads),
+        head_dim: ("hidden_size / num_attention_heads", head_dim),
+        num_layers: ("num_hidden_layers", cfg.num_hidden_layers),
+        max_layers: None,
+        rope_dim: ("hidden_size / num_attention_heads", head_dim),
+        rms_norm_eps: ("rms_norm_eps", cfg.rms_norm_eps),
+        rope_bases: &[("rope_theta", cfg.rope_theta as f64)],
+    }
+    .check()?;
+    if let Some(s) = &cfg.rope_scaling {
+        let positive = |v: f32| v.is_finite() && v > 0.0;
+        if !(positive(s.factor)
+            && positive(s.low_freq_factor)
+            && positive(s.high_freq_factor)
+            && s.high_freq_factor != s.low_freq_factor
+            && s.original_max_position_embeddings > 0)
         {
             bail!(
-                "{OP}: hidden_size {} is not a multiple of num_attention_heads {}",
-                cfg.hidden_size,
-                cfg.num_attention_heads
+                "{OP}: config.json rope_scaling needs a finite positive factor, low_freq_factor and high_freq_factor (the last two different) and original_max_position_embeddings > 0, got {s:?}"
             );
         }
-        let head_dim = cfg.hidden_size / cfg.num_attention_heads;
-        DecoderShape {
-            component: OP,
-            source: "config.json ",
-            hidden_size: ("hidden_size", cfg.hidden_size),
-            num_heads: ("num_attention_heads", cfg.num_attention_heads),
-            num_kv_heads: ("num_key_value_heads", cfg.num_key_value_heads),
-            head_dim: ("hidden_size / num_attention_heads", head_dim),
-            num_layers: ("num_hidden_layers", cfg.num_hidden_layers),
-            max_layers: None,
-            rope_dim: ("hidden_size / num_attention_heads", head_dim),
-            rms_norm_eps: ("rms_norm_eps", cfg.rms_norm_eps),
-            rope_bases: &[("rope_theta", cfg.rope_theta as f64)],
-        }
-        .check()?;
-        if let Some(s) = &cfg.rope_scaling {
-            let positive = |v: f32| v.is_finite() && v > 0.0;
-            if !(positive(s.factor)
-                && positive(s.low_freq_factor)
-                && positive(s.high_freq_factor)
-                && s.high_freq_factor != s.low_freq_factor
-                && s.original_max_position_embeddings > 0)
-            {
-                bail!(
-                    "{OP}: config.json rope_scaling needs a finite positive factor, low_freq_factor and high_freq_factor (the last two different) and original_max_position_embeddings > 0, got {s:?}"
-                );
-            }
-        }
-        let spec = DecoderSpec {
-            component: OP,
-            names: WeightNames::SEPARATE,
-            vocab_size: cfg.vocab_size,
-            hidden_size: cfg.hidden_size,
-            num_layers: cfg.num_hidden_layers,
-            num_heads: cfg.num_attention_heads,
-            num_kv_heads: cfg.num_key_value_heads,
-            head_dim,
-            qkv_bias: false,
-            o_bias: false,
-            qk_norm_eps: None,
-            windows: Windows::None,
-            rope: RopeSpec {
-                inv_freq: inv_freq(cfg),
-                long: None,
-                max_positions: cfg.max_position_embeddings,
-            },
-            rms_norm_eps: cfg.rms_norm_eps,
-            intermediate_size: cfg.intermediate_size,
-            activation: Activation::Silu,
-            tie_word_embeddings: cfg.tie_word_embeddings,
-        };
-        Ok(Self(DecoderStack::load(vb, &spec, options)?))
     }
+    let spec = DecoderSpec {
+        component: OP,
+        names: WeightNames::SEPARATE,
+        vocab_size: cfg.vocab_size,
+        hidden_size: cfg.hidden_size,
+        num_layers: cfg.num_hidden_layers,
+        num_heads: cfg.num_attention_heads,
+        num_kv_heads: cfg.num_key_value_heads,
+        head_dim,
+        qkv_bias: false,
+        o_bias: false,
+        qk_norm_eps: None,
+        windows: Windows::None,
+        rope: RopeSpec {
+            inv_freq: inv_freq(cfg),
+            long: None,
+            max_positions: cfg.max_position_embeddings,
+        },
+        rms_norm_eps: cfg.rms_norm_eps,
+        intermediate_size: cfg.intermediate_size,
+        activation: Activation::Silu,
+        tie_word_embeddings: cfg.tie_word_embeddings,
+    };
+    Ok(spec)
 }
 
 impl PagedModel for Llama {

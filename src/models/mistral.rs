@@ -69,6 +69,12 @@ fn inv_freq(head_dim: usize, theta: f64) -> Vec<f32> {
 /// Loads a Hugging Face Mistral checkpoint (`model.*`, `lm_head` unless
 /// tied) from `vb`; the dtype and device are `vb`'s.
 pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Mistral> {
+    DecoderStack::load(vb, &spec(cfg)?, options)
+}
+
+/// The decoder of a config, checked: what [`load`] builds (and
+/// [`TensorParallel`](crate::parallel::TensorParallel) shards).
+pub fn spec(cfg: &Config) -> Result<DecoderSpec> {
     let heads = cfg.num_attention_heads;
     let (head_dim, key) = match cfg.head_dim {
         Some(d) => (d, "head_dim"),
@@ -115,5 +121,5 @@ pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Mistr
         activation: cfg.hidden_act,
         tie_word_embeddings: cfg.tie_word_embeddings,
     };
-    DecoderStack::load(vb, &spec, options)
+    Ok(spec)
 }

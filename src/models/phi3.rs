@@ -79,6 +79,12 @@ pub struct Config {
 /// Loads a Hugging Face Phi-3 checkpoint (`model.*`, `lm_head` unless
 /// tied) from `vb`; the dtype and device are `vb`'s.
 pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Phi3> {
+    DecoderStack::load(vb, &spec(cfg)?, options)
+}
+
+/// The decoder of a config, checked: what [`load`] builds (and
+/// [`TensorParallel`](crate::parallel::TensorParallel) shards).
+pub fn spec(cfg: &Config) -> Result<DecoderSpec> {
     let heads = cfg.num_attention_heads;
     let head_dim = decoder::head_dim_of(OP, cfg.hidden_size, heads)?;
     let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
@@ -152,5 +158,5 @@ pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Phi3>
         activation: cfg.hidden_act,
         tie_word_embeddings: cfg.tie_word_embeddings,
     };
-    DecoderStack::load(vb, &spec, options)
+    Ok(spec)
 }

@@ -80,6 +80,12 @@ pub struct Config {
 /// Loads a Hugging Face Qwen3 checkpoint (`model.*`, `lm_head` unless
 /// tied) from `vb`; the dtype and device are `vb`'s.
 pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Qwen3> {
+    DecoderStack::load(vb, &spec(cfg)?, options)
+}
+
+/// The decoder of a config, checked: what [`load`] builds (and
+/// [`TensorParallel`](crate::parallel::TensorParallel) shards).
+pub fn spec(cfg: &Config) -> Result<DecoderSpec> {
     let (heads, head_dim) = (cfg.num_attention_heads, cfg.head_dim);
     let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
     DecoderShape {
@@ -125,5 +131,5 @@ pub fn load(vb: VarBuilder, cfg: &Config, options: PagedOptions) -> Result<Qwen3
         activation: cfg.hidden_act,
         tie_word_embeddings: cfg.tie_word_embeddings,
     };
-    DecoderStack::load(vb, &spec, options)
+    Ok(spec)
 }
