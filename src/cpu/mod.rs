@@ -9,3 +9,4 @@ pub(crate) mod elem;
 pub(crate) mod layer_ops;
 pub(crate) mod paged_attention;
 pub(crate) mod reshape_and_cache;
+pub(crate) mod score_mods;

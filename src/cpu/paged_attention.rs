@@ -10,13 +10,14 @@
 //! Imports `params` and `batch`; never `ops` or `cuda`.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, Layout, Result, Shape, Storage, Tensor, WithDType};
+use candle_core::{bail, CpuStorage, Layout, Result, Shape, Storage, WithDType};
 use float8::F8E4M3;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::batch::BatchHost;
 use crate::cpu::elem::{axpy, axpy4, dot, dot4, load_scaled, Elem};
+use crate::cpu::score_mods::ScoreMods;
 use crate::params::{AttentionDims, PagedAttentionParams};
 
 /// Query rows per work item (times the GQA group size in query vectors).
@@ -39,12 +40,8 @@ struct Options {
     scale: f32,
     k_scale: f32,
     v_scale: f32,
-    sliding_window: Option<usize>,
-    softcap: Option<f32>,
-    alibi_slopes: Option<Vec<f32>>,
-    sinks: Option<Vec<f32>>,
-    /// Row-major bias and its column count.
-    qq_bias: Option<(Vec<f32>, usize)>,
+    /// The mask, the score modifiers and the sinks.
+    mods: ScoreMods,
 }
 
 /// One (sequence, KV head, query rows `row_start..row_end` of the sequence).
@@ -65,10 +62,6 @@ struct Scratch {
     scores: Vec<f32>,
     row_max: Vec<f32>,
     row_sum: Vec<f32>,
-}
-
-fn head_vector(t: &Option<Tensor>) -> Result<Option<Vec<f32>>> {
-    t.as_ref().map(|t| t.to_vec1::<f32>()).transpose()
 }
 
 fn cpu_slice<'a, T: WithDType>(
@@ -95,21 +88,13 @@ pub(crate) fn forward(
     let Some((q_start, q_end)) = q_layout.contiguous_offsets() else {
         bail!("paged-attention: q must be contiguous");
     };
-    let qq_bias = match &params.qq_bias {
-        Some(b) => Some((b.flatten_all()?.to_vec1::<f32>()?, b.dims()[1])),
-        None => None,
-    };
     let cache_is_fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
     let kv_scales = params.effective_kv_scales();
     let opts = Options {
         scale: params.scale,
         k_scale: kv_scales.k_scale,
         v_scale: kv_scales.v_scale,
-        sliding_window: params.sliding_window,
-        softcap: params.active_softcap(),
-        alibi_slopes: head_vector(&params.alibi_slopes)?,
-        sinks: head_vector(&params.sinks)?,
-        qq_bias,
+        mods: ScoreMods::new(params)?,
     };
     let (k_guard, k_layout) = params.key_cache.storage_and_layout();
     let (v_guard, v_layout) = params.value_cache.storage_and_layout();
@@ -197,23 +182,6 @@ fn work_items(host: &BatchHost, num_kv_heads: usize) -> Vec<WorkItem> {
     items
 }
 
-/// Whether query at absolute position `q_abs` sees key `key` (both `< seq_len`)
-/// before score-level masking (a `-inf` bias).
-#[inline]
-fn visible(
-    q_abs: usize,
-    key: usize,
-    window: Option<usize>,
-    ranges: &[std::ops::Range<u32>],
-) -> bool {
-    let causal = key <= q_abs && window.is_none_or(|w| q_abs - key < w);
-    causal
-        || ranges.iter().any(|r| {
-            let (s, e) = (r.start as usize, r.end as usize);
-            s <= q_abs && q_abs < e && s <= key && key < e
-        })
-}
-
 /// Attention for one work item; returns `(row_end - row_start) * group * head_size`
 /// outputs, row-major by (row, head of the group, dim).
 fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scratch) -> Vec<f32> {
@@ -254,28 +222,14 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
             qv.fill(f32::NAN);
         }
     }
-    // Online-softmax state: the running max starts at the sink (whose
-    // exp(sink - max) = 1 is then the running sum), else at -inf with sum 0.
-    // A NaN or +inf sink makes the row NaN, as exp(sink - max) does in dense
-    // softmax; a -inf sink carries no mass (the first key's rescale zeroes it).
+    // Online-softmax state: the running max and sum start at the sink
+    // (`ScoreMods::softmax_start`).
     s.row_max.clear();
     s.row_sum.clear();
     for i in 0..nq {
-        let h = item.kv_head * group + i % group;
-        match &o.sinks {
-            Some(sinks) if sinks[h].is_nan() || sinks[h] == f32::INFINITY => {
-                s.row_max.push(f32::NAN);
-                s.row_sum.push(f32::NAN);
-            }
-            Some(sinks) => {
-                s.row_max.push(sinks[h]);
-                s.row_sum.push(1.0);
-            }
-            None => {
-                s.row_max.push(f32::NEG_INFINITY);
-                s.row_sum.push(0.0);
-            }
-        }
+        let (max, sum) = o.mods.softmax_start(item.kv_head * group + i % group);
+        s.row_max.push(max);
+        s.row_sum.push(sum);
     }
     let mut acc = vec![0f32; nq * d];
 
@@ -286,7 +240,8 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
         (0, seq_len)
     } else {
         let lo = o
-            .sliding_window
+            .mods
+            .window()
             .map_or(0, |w| (first_abs + 1).saturating_sub(w));
         (lo, last_abs + 1)
     };
@@ -333,25 +288,16 @@ fn attend<Q: Elem, C: Elem>(p: &Problem<'_, Q, C>, item: &WorkItem, s: &mut Scra
             for t in t..n {
                 s.scores[t] = dot(qv, key_row(t));
             }
-            // Scores: scale*q.k, softcap, mask, ALiBi, qq_bias (the order of vLLM's Triton unified attention).
+            // Scores (scale * q.k, folded into the queries) through `ScoreMods`:
+            // mask, softcap, ALiBi, qq_bias.
             let mut tile_max = f32::NEG_INFINITY;
             for t in 0..n {
                 let key = tile_start + t;
-                let mut sc = f32::NEG_INFINITY;
-                if visible(q_abs, key, o.sliding_window, ranges) {
-                    sc = s.scores[t];
-                    if let Some(c) = o.softcap {
-                        sc = c * (sc / c).tanh();
-                    }
-                    if let Some(slopes) = &o.alibi_slopes {
-                        sc += slopes[h] * (key as f32 - context_len as f32);
-                    }
-                    if let Some((bias, cols)) = &o.qq_bias {
-                        if key >= context_len && key - context_len < *cols {
-                            sc += bias[q_rel * cols + key - context_len];
-                        }
-                    }
-                }
+                let sc = if o.mods.visible(q_abs, key, ranges) {
+                    o.mods.logit(s.scores[t], h, key, context_len, q_rel)
+                } else {
+                    f32::NEG_INFINITY
+                };
                 s.scores[t] = sc;
                 tile_max = max_nan(tile_max, sc);
             }
