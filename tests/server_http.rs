@@ -964,6 +964,13 @@ async fn shutdown_lets_running_requests_finish() {
         }
         raw
     });
+    // The first chunk can leave before the engine thread admits the request
+    // (it is then waiting): wait until it runs.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while server.metric("num_requests_running").await != 1.0 && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     assert_eq!(
         server.metric("num_requests_running").await,
         1.0,
