@@ -9,8 +9,10 @@
 //!
 //! A leaf: imports nothing from this crate.
 
+use std::any::Any;
+use std::fmt;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{bail, Device, Result, Tensor};
 
@@ -40,6 +42,33 @@ pub struct PagedBatch {
     block_tables: Tensor,
     prefix_ranges: Option<Tensor>,
     host: Arc<BatchHost>,
+    /// What the ops derive from this batch once (shared by its clones).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA path
+    memo: Arc<BatchMemo>,
+}
+
+/// Keys at most in one batch's [`BatchMemo`] (the layer kinds of a model
+/// that share a batch: full attention, and the kinds of its window layers).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA path
+const MEMO_ENTRIES: usize = 8;
+
+/// A type-erased memo key or value.
+type Erased = Arc<dyn Any + Send + Sync>;
+
+/// Values derived from one batch and reused by every layer call over it,
+/// each under the key of what else it depends on (the CUDA path's launch
+/// plan, keyed by the call's shape and dtypes): a plan is made once per
+/// batch and layer kind, not once per layer.
+#[derive(Default)]
+struct BatchMemo {
+    entries: Mutex<Vec<(Erased, Erased)>>,
+}
+
+impl fmt::Debug for BatchMemo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.entries.lock().map_or(0, |e| e.len());
+        write!(f, "BatchMemo({n} entries)")
+    }
 }
 
 /// Host copies of the batch's index arrays and the maxima derived from them;
@@ -268,6 +297,7 @@ impl PagedBatch {
         Ok(Self {
             prefix_ranges: Some(tensor),
             host: Arc::new(host),
+            memo: Arc::default(),
             ..self
         })
     }
@@ -284,7 +314,49 @@ impl PagedBatch {
             block_tables,
             prefix_ranges: None,
             host: Arc::new(host),
+            memo: Arc::default(),
         })
+    }
+
+    /// The value `make` derives from this batch and `key`: made on the first
+    /// call with an equal key, then shared by every call (and every clone of
+    /// the batch). The ops keep per-batch work here, such as the CUDA launch
+    /// plan that every layer of one kind shares. At most 8 keys are kept;
+    /// past that the oldest is dropped (and made again if asked for). An
+    /// error of `make` is returned and nothing is kept.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA path
+    pub(crate) fn memo<K, V>(&self, key: K, make: impl FnOnce() -> Result<V>) -> Result<Arc<V>>
+    where
+        K: PartialEq + Send + Sync + 'static,
+        V: Send + Sync + 'static,
+    {
+        let found = |entries: &[(Erased, Erased)]| {
+            entries.iter().find_map(|(k, v)| {
+                let same = k.downcast_ref::<K>() == Some(&key);
+                same.then(|| Arc::clone(v).downcast::<V>().ok()).flatten()
+            })
+        };
+        let lock = || {
+            self.memo
+                .entries
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("batch memo: poisoned lock".into()))
+        };
+        if let Some(v) = found(&lock()?) {
+            return Ok(v);
+        }
+        // Made without the lock held: another thread may make the same value;
+        // the first one stored wins.
+        let value = Arc::new(make()?);
+        let mut entries = lock()?;
+        if let Some(v) = found(&entries) {
+            return Ok(v);
+        }
+        if entries.len() == MEMO_ENTRIES {
+            entries.remove(0);
+        }
+        entries.push((Arc::new(key), Arc::clone(&value) as Erased));
+        Ok(value)
     }
 
     /// Host copies and derived maxima.
@@ -467,5 +539,49 @@ impl SlotMapping {
     /// Largest non-negative slot, if any.
     pub fn max_slot(&self) -> Option<i64> {
         self.max_slot
+    }
+}
+
+#[cfg(test)]
+mod memo_tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn batch() -> Result<PagedBatch> {
+        PagedBatch::new(&[0, 1, 4], &[5, 3], &[0, 1, 2, 3], 2, 4, &Device::Cpu)
+    }
+
+    #[test]
+    fn a_memo_is_made_once_per_key_and_shared_by_clones() -> Result<()> {
+        let b = batch()?;
+        let made = Cell::new(0);
+        let make = |v: u32| {
+            made.set(made.get() + 1);
+            Ok(v)
+        };
+        assert_eq!(*b.memo(("full", 64usize), || make(1))?, 1);
+        assert_eq!(*b.clone().memo(("full", 64usize), || make(2))?, 1);
+        assert_eq!(made.get(), 1);
+        // Another key, and the same key with another value type, are made anew.
+        assert_eq!(*b.memo(("window", 64usize), || make(3))?, 3);
+        assert_eq!(*b.memo(("full", 64usize), || Ok(7u64))?, 7);
+        assert_eq!(made.get(), 2);
+        // A new batch starts empty.
+        assert_eq!(*batch()?.memo(("full", 64usize), || make(4))?, 4);
+        // Errors are returned and not kept.
+        assert!(b.memo(9u8, || -> Result<u32> { bail!("no") }).is_err());
+        assert_eq!(*b.memo(9u8, || make(5))?, 5);
+        Ok(())
+    }
+
+    #[test]
+    fn a_full_memo_drops_its_oldest_key() -> Result<()> {
+        let b = batch()?;
+        for k in 0..=MEMO_ENTRIES {
+            b.memo(k, || Ok(k))?;
+        }
+        assert_eq!(*b.memo(0usize, || Ok(100usize))?, 100);
+        assert_eq!(*b.memo(MEMO_ENTRIES, || Ok(100usize))?, MEMO_ENTRIES);
+        Ok(())
     }
 }

@@ -94,6 +94,9 @@ pub use cache::{
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
 pub use cuda::describe::{kernel_instance_reports, KernelInstanceReport, LaunchResidency};
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub use cuda::plan::launch_plans_made;
 pub use metadata::{AttentionMetadata, GraphMode, LayerBatch, WindowGroup};
 pub use ops::layer_ops::{add_rms_norm, gated_activation, rms_norm};
 #[cfg(feature = "cuda")]

@@ -16,7 +16,7 @@ mod common;
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
-use candle_paged_attention::{cuda_launch_residency, KvSplit};
+use candle_paged_attention::{cuda_launch_residency, launch_plans_made, KvSplit};
 use common::case::Case;
 use common::check::{check_case, run_op};
 
@@ -308,6 +308,45 @@ cuda_test! {
         Ok(())
     }
 
+}
+
+cuda_test! {
+    /// The layers of one kind share one launch plan per batch: repeated
+    /// calls over one batch (the layers of a model) plan once and launch
+    /// the same programs (bit-identical outputs); a layer of another kind
+    /// (a sliding window) plans once more, and a new batch plans anew.
+    fn one_plan_per_batch_and_layer_kind(dev: &Device) -> Result<()> {
+        let case = Case::new(&[(1, 2000), (200, 700), (1, 65)], (16, 4), 128, 16, DType::BF16);
+        let inputs = case.build(dev)?;
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let before = launch_plans_made();
+        let first = bits(run_op(&case, &inputs)?);
+        for layer in 1..4 {
+            let again = bits(run_op(&case, &inputs)?);
+            ensure!(again == first, "layer {layer}: the output differs from layer 0's");
+        }
+        ensure!(
+            launch_plans_made() - before == 1,
+            "4 layers over one batch made {} plans, 1 expected",
+            launch_plans_made() - before
+        );
+        let windowed = case.clone().with_window(Some(256));
+        run_op(&windowed, &inputs)?;
+        run_op(&windowed, &inputs)?;
+        ensure!(
+            launch_plans_made() - before == 2,
+            "a second layer kind: {} plans in all, 2 expected",
+            launch_plans_made() - before
+        );
+        let next = case.clone().with_seed(7).build(dev)?;
+        run_op(&case, &next)?;
+        ensure!(
+            launch_plans_made() - before == 3,
+            "a new batch: {} plans in all, 3 expected",
+            launch_plans_made() - before
+        );
+        Ok(())
+    }
 }
 
 /// Captures one forward on `cuda`'s stream into a CUDA graph, with

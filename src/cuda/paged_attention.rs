@@ -66,7 +66,7 @@ use super::{
     attention_function, cuda_storage, device_address, fill_nan, function, optional_address,
     poison_outputs, DeviceLimits, ATTENTION_MODULE,
 };
-use crate::params::{AttentionDims, PagedAttentionParams};
+use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
 
 const OP: &str = "paged-attention";
 
@@ -161,14 +161,28 @@ fn launch(
         fp8: cache_fp8,
     };
     let policy = LaunchPolicy::current();
-    let plan = plan(
-        params,
-        dims,
-        &limits,
-        p.vec_loads != 0,
-        &|kind, tile, head| residency.resident(kind, tile, head),
-        policy,
-    )?;
+    // Planned once per batch and layer kind: the layers of one kind share
+    // the batch and every other input of the plan (the key).
+    let key = PlanKey {
+        device: dev.id(),
+        dims: *dims,
+        dtype_name,
+        cache_dtype: params.key_cache.dtype(),
+        sliding_window: params.sliding_window,
+        kv_split: params.kv_split,
+        aligned: p.vec_loads != 0,
+        policy: *policy,
+    };
+    let plan = params.batch.memo(key, || {
+        plan(
+            params,
+            dims,
+            &limits,
+            p.vec_loads != 0,
+            &|kind, tile, head| residency.resident(kind, tile, head),
+            policy,
+        )
+    })?;
     let split = SplitLayout::of(&plan, params, dims);
     p.ws_seq_rows = plan.ws_seq_rows as i32;
     let overlap = policy.overlap;
@@ -195,6 +209,20 @@ fn launch(
         }
     }
     Ok(())
+}
+
+/// Everything a launch plan depends on besides the batch: calls over one
+/// batch with equal keys (the layers of one kind) share one plan.
+#[derive(PartialEq)]
+struct PlanKey {
+    device: candle_core::cuda_backend::DeviceId,
+    dims: AttentionDims,
+    dtype_name: &'static str,
+    cache_dtype: DType,
+    sliding_window: Option<usize>,
+    kv_split: KvSplit,
+    aligned: bool,
+    policy: LaunchPolicy,
 }
 
 /// The query and output storages of one forward.

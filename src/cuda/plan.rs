@@ -132,6 +132,16 @@ fn part(
     }
 }
 
+/// Launch plans made by this process (see [`launch_plans_made`]).
+static PLANS_MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many launch plans this process has made: a forward plans once per
+/// batch and layer kind (the layers of one kind share the plan through the
+/// batch's memo), and each `cuda_launch_plan` report makes one.
+pub fn launch_plans_made() -> usize {
+    PLANS_MADE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Programs of an instance resident per SM: `resident(kind, tile, head)`
 /// for the instance of `kind` with `tile` at padded head size `head` (the
 /// call's query dtype and cache kind).
@@ -150,6 +160,7 @@ pub(super) fn plan(
     resident: &ResidentFn<'_>,
     policy: &LaunchPolicy,
 ) -> Result<Plan> {
+    PLANS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let sms = limits.sms;
     let host = params.batch.host();
     let Some(&head) = HEAD_SIZES.iter().find(|&&h| h >= dims.head_size) else {
