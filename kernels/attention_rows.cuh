@@ -1,6 +1,5 @@
 // Row-level pieces of paged attention shared by kernels/unified_attention.cu
-// and kernels/stream_decode.cu: which keys a query row sees, one row's
-// online-softmax step, the sink's share of a row's sum, the stores of a
+// and kernels/stream_decode.cu: one row's online-softmax step, the stores of a
 // row's columns (the output of a whole row, or a split-KV partial) and the
 // arrival protocol of the split-KV merge (see "Split KV" at the top of
 // kernels/unified_attention.cu).
@@ -10,26 +9,9 @@
 
 #include "attention_params.cuh"
 #include "common.cuh"
+#include "score_mods.cuh"
 
 namespace cpa {
-
-// Whether query `q_abs` sees key `key` before score-level masking: causal
-// within `window` (0: no window), or both inside one of the `nr`
-// bidirectional ranges [ranges[2r], ranges[2r + 1]).
-__device__ __forceinline__ bool key_visible(int q_abs, int key, int window, const uint32_t* ranges, int nr) {
-  if (key <= q_abs && (window == 0 || q_abs - key < window)) return true;
-  for (int r = 0; r < nr; ++r) {
-    const int s = (int)ranges[2 * r], e = (int)ranges[2 * r + 1];
-    if (s <= q_abs && q_abs < e && s <= key && key < e) return true;
-  }
-  return false;
-}
-
-// exp2(s2 - M) of a sink logit s2 (log2 units) against the row maximum M
-// (M >= s2 or NaN): a -inf sink carries no mass, even when M is -inf too
-// (where exp2(-inf - -inf) would be NaN); a NaN or +inf sink gives NaN, as
-// dense softmax does.
-__device__ __forceinline__ float sink_mass(float s2, float M) { return s2 == neg_inf() ? 0.f : exp2f(s2 - M); }
 
 // One row's online-softmax step against the maximum `tile_max` of its new
 // logits: moves the running maximum m_run (NaN-propagating: a NaN score
@@ -52,13 +34,7 @@ __device__ __forceinline__ float online_max_step(float& m_run, float& l_run, flo
 template <typename T>
 __device__ __forceinline__ void store_output_cols(const AttnParams& p, int64_t oi, int head, int ncols, float M,
                                                   float L, bool vec, const float (&o)[8]) {
-  float f = 1.f;
-  if (p.sinks != nullptr) {
-    const float s2 = p.sinks[head] * LOG2E;
-    const float Mn = max_nan(M, s2);
-    f = M == neg_inf() ? 0.f : exp2f(M - Mn);
-    L = L * f + sink_mass(s2, Mn);
-  }
+  const float f = ScoreMods(p).fold_sink(head, M, L);
   // L is 0 only for a row that saw no key and has no sink mass (its o is
   // an exact 0); else >= 1, or NaN, which k carries into the row.
   const float k = L == 0.f ? 0.f : f / L * p.v_scale;
