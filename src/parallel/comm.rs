@@ -374,6 +374,7 @@ mod tests {
             let handles: Vec<_> = group.iter().map(|c| s.spawn(|| f(c))).collect();
             handles
                 .into_iter()
+                // Test code: a panicking rank thread is the test failing.
                 .map(|h| h.join().expect("rank thread"))
                 .collect()
         })
@@ -453,6 +454,7 @@ mod tests {
         // The late rank fails at once too; after a reset the group works.
         let late = group[2].all_reduce_sum(&Tensor::new(&[1f32], &dev)?);
         assert!(late.unwrap_err().to_string().contains("the group failed"));
+        // Test code: the collective above failed, so a failure is recorded.
         let why = group[2].failure().expect("a failure");
         assert!(
             why.contains("timed out after 200ms waiting for ranks [2]"),
