@@ -13,10 +13,7 @@ use candle_core::{CudaDevice, DType, Result};
 use super::occupancy::{driver_resident, Residency};
 use super::plan::{plan, resident_programs, Instance, Merge, Plan};
 use super::policy::LaunchPolicy;
-use super::tiles::{
-    instance_name, smem_bytes, stream_tile, stream_wide_tile, tile_shape, wgmma_tile, Kind,
-    TileShape, HEAD_SIZES, STREAM_ROWS,
-};
+use super::tiles::{instance_name, instances, smem_bytes, Kind, TileInstance, QUERY_DTYPES};
 use super::{attention_function, device_limits, AttnModule};
 use crate::params::{AttentionDims, PagedAttentionParams};
 
@@ -202,38 +199,14 @@ pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceRep
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute as F;
     let limits = device_limits(dev)?;
     let mut out: Vec<KernelInstanceReport> = Vec::new();
-    // (kind, tile, head, cache kinds) of every instance.
-    let mut instances: Vec<(Kind, TileShape, usize, &[bool])> = Vec::new();
-    for &head in &HEAD_SIZES {
-        for (kind, small) in [
-            (Kind::Decode, false),
-            (Kind::Prefill, false),
-            (Kind::Prefill, true),
-        ] {
-            instances.push((kind, tile_shape(kind, head, small), head, &[false, true]));
-        }
-        for small in [false, true] {
-            if let Some(tile) = wgmma_tile(head, small).filter(|_| limits.wgmma) {
-                instances.push((Kind::Prefill, tile, head, &[false, true]));
-            }
-        }
-        for rows in STREAM_ROWS {
-            for tile in [stream_tile(head, rows), stream_wide_tile(head, rows)]
-                .into_iter()
-                .flatten()
-            {
-                instances.push((Kind::Stream, tile, head, &[false, true]));
-            }
-        }
-    }
-    for (kind, tile, head, caches) in instances {
-        for dtype_name in ["bf16", "f16"] {
-            for &fp8 in caches {
+    // The warpgroup instances only on a device that runs them.
+    for TileInstance { head, kind, tile } in instances()
+        .into_iter()
+        .filter(|i| limits.wgmma || !i.tile.wgmma)
+    {
+        for (dtype_name, _) in QUERY_DTYPES {
+            for fp8 in [false, true] {
                 let name = instance_name(head, kind, &tile, dtype_name, fp8);
-                if out.iter().any(|r| r.name == name) {
-                    // Above head size 128 the small prefill tile is the default one.
-                    continue;
-                }
                 let smem = smem_bytes(&tile, head, fp8);
                 let threads = tile.threads();
                 let func = attention_function(dev, &name, AttnModule::of(&tile), smem)?;

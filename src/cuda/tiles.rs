@@ -3,9 +3,12 @@
 //!
 //! This file is the one definition of those figures. It is dependency-free
 //! (std only, no `crate::` or `super::` paths) because build.rs includes it
-//! too (`#[path]`) to generate `$OUT_DIR/kernel_contract.cuh`, whose
-//! per-instance constants kernels/unified_attention.cu checks with
-//! `static_assert`s against its `Cfg` and `Smem` in the `CPA_ATTN` macros.
+//! too (`#[path]`) to generate the kernels' entry points from
+//! [`instances`] (`$OUT_DIR/attention_instances.cuh` and
+//! `stream_instances.cuh`, which the kernel files include) and
+//! `$OUT_DIR/kernel_contract.cuh`, whose per-instance constants the
+//! `CPA_ATTN` and `CPA_STREAM` macros check with `static_assert`s against
+//! the kernels' own `Cfg`/`Smem` and `StreamProgram::SMEM`.
 //!
 //! A leaf: imports nothing.
 
@@ -64,6 +67,13 @@ pub(crate) struct TileShape {
     /// `__launch_bounds__`: decode h256 and h512 are compiled with a minimum
     /// of 1, and prefill instances with 1, yet more may be resident.
     pub(crate) max_resident: usize,
+    /// The minimum programs per SM of the instance's `__launch_bounds__`
+    /// (the register budget it is compiled for): decode 4 up to head size
+    /// 64, 3 at 128, 1 above; prefill 1; warpgroup prefill 2 up to head
+    /// size 128, 1 above; stream decode 4 for the wide instance, 3 for 8
+    /// rows up to head size 128, 2 otherwise (registers per thread: at most
+    /// 128 for 4, 168 for 3, 255 for 2).
+    pub(crate) min_programs: usize,
     /// Kernel name suffix after the kind (`""`, `"_m1"` or `"_wg"`).
     pub(crate) suffix: &'static str,
     /// Hopper warpgroup MMAs over 128-byte-swizzled tiles: an instance of
@@ -115,6 +125,11 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
                 65..=128 => 3,
                 _ => 2,
             },
+            min_programs: match head {
+                0..=64 => 4,
+                65..=128 => 3,
+                _ => 1,
+            },
             suffix: "",
             wgmma: false,
             tile_rows: 16,
@@ -129,6 +144,7 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
                 m_tiles: if two_tiles { 2 } else { 1 },
                 stages: 2,
                 max_resident: 2,
+                min_programs: 1,
                 suffix: if head <= 128 && small { "_m1" } else { "" },
                 wgmma: false,
                 tile_rows: 16,
@@ -155,6 +171,7 @@ pub(crate) fn wgmma_tile(head: usize, small: bool) -> Option<TileShape> {
         m_tiles: 1,
         stages: 2,
         max_resident: if head <= 128 { 2 } else { 1 },
+        min_programs: if head <= 128 { 2 } else { 1 },
         suffix: if small { "_wg_m1" } else { "_wg" },
         wgmma: true,
         tile_rows: 16,
@@ -197,6 +214,7 @@ pub(crate) fn stream_wide_tile(head: usize, rows: usize) -> Option<TileShape> {
     (head == 128 && rows == 8).then(|| TileShape {
         stages: 1,
         max_resident: 4,
+        min_programs: 4,
         suffix: STREAM_WIDE_SUFFIX,
         ..stream_shape(head, rows)
     })
@@ -216,11 +234,69 @@ fn stream_shape(head: usize, rows: usize) -> TileShape {
         } else {
             3
         },
+        min_programs: if head <= 128 && rows == 8 { 3 } else { 2 },
         suffix: if rows == 8 { "_r8" } else { "_r16" },
         wgmma: false,
         tile_rows: 8,
         stream: true,
     }
+}
+
+/// One compiled tensor-core kernel instance: a program kind and its tile at
+/// a padded head size. Each is compiled for every query dtype of
+/// [`QUERY_DTYPES`], over a 16-bit cache of that dtype and over fp8.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TileInstance {
+    /// Padded head size.
+    pub(crate) head: usize,
+    /// Program shape.
+    pub(crate) kind: Kind,
+    /// Tile of the program.
+    pub(crate) tile: TileShape,
+}
+
+/// The query dtypes of the tensor-core instances: the kernel-name dtype and
+/// its CUDA type.
+pub(crate) const QUERY_DTYPES: [(&str, &str); 2] = [("bf16", "__nv_bfloat16"), ("f16", "__half")];
+
+/// Every tensor-core instance, in the order the kernel files define them:
+/// the `mma.sync` instances of kernels/unified_attention.cu (decode and the
+/// default prefill tile per head size, then the 64-row prefill tiles where
+/// they differ), the warpgroup instances of its sm_90a module, then the
+/// stream-decode instances of kernels/stream_decode.cu. The one list of
+/// instances: build.rs generates the kernels' entry points and the
+/// contract constants from it, and the per-instance report walks it.
+pub(crate) fn instances() -> Vec<TileInstance> {
+    let mut out = Vec::new();
+    let mut push = |head, kind, tile| out.push(TileInstance { head, kind, tile });
+    for head in HEAD_SIZES {
+        push(head, Kind::Decode, tile_shape(Kind::Decode, head, false));
+        push(head, Kind::Prefill, tile_shape(Kind::Prefill, head, false));
+    }
+    for head in HEAD_SIZES {
+        let small = tile_shape(Kind::Prefill, head, true);
+        if small != tile_shape(Kind::Prefill, head, false) {
+            push(head, Kind::Prefill, small);
+        }
+    }
+    for head in WGMMA_HEAD_SIZES {
+        for small in [false, true] {
+            if let Some(tile) = wgmma_tile(head, small) {
+                push(head, Kind::Prefill, tile);
+            }
+        }
+    }
+    for head in STREAM_HEAD_SIZES {
+        for rows in STREAM_ROWS {
+            for tile in [stream_tile(head, rows), stream_wide_tile(head, rows)]
+                .into_iter()
+                .flatten()
+            {
+                push(head, Kind::Stream, tile);
+            }
+        }
+    }
+    out
 }
 
 /// Dynamic shared memory of one instance; mirrors `Smem` in
@@ -303,4 +379,57 @@ pub(crate) fn instance_name(
         kind.name(),
         tile.suffix
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every tile a launch can pick is compiled, and no instance twice: the
+    /// generated entry points are exactly the tiles the planner chooses from.
+    #[test]
+    fn instances_are_every_plannable_tile_once() {
+        let all = instances();
+        let mut names: Vec<String> = all
+            .iter()
+            .map(|i| instance_name(i.head, i.kind, &i.tile, "bf16", false))
+            .collect();
+        names.sort();
+        let unique = names.len();
+        names.dedup();
+        assert_eq!(names.len(), unique, "an instance is listed twice");
+        let has = |head, kind, tile: TileShape| all.contains(&TileInstance { head, kind, tile });
+        for head in HEAD_SIZES {
+            for small in [false, true] {
+                for kind in [Kind::Decode, Kind::Prefill] {
+                    assert!(
+                        has(head, kind, tile_shape(kind, head, small)),
+                        "{kind:?} h{head}"
+                    );
+                }
+                if let Some(tile) = wgmma_tile(head, small) {
+                    assert!(
+                        has(head, Kind::Prefill, tile),
+                        "warpgroup h{head} small {small}"
+                    );
+                }
+            }
+            for rows in STREAM_ROWS {
+                for tile in [stream_tile(head, rows), stream_wide_tile(head, rows)]
+                    .into_iter()
+                    .flatten()
+                {
+                    assert!(has(head, Kind::Stream, tile), "stream h{head} rows {rows}");
+                }
+            }
+        }
+        // 5 decode, 5 + 3 prefill, 3 x 2 warpgroup, 6 stream.
+        assert_eq!(all.len(), 25);
+        for i in &all {
+            assert!(
+                i.tile.min_programs >= 1 && i.tile.min_programs <= 4,
+                "{i:?}"
+            );
+        }
+    }
 }
