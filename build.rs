@@ -132,18 +132,28 @@ mod cuda {
         Ok(())
     }
 
-    const HEADERS: [&str; 3] = [
-        "kernels/common.cuh",
-        "kernels/attention_params.cuh",
-        "kernels/attention_rows.cuh",
-    ];
+    /// Every header under kernels/ (`*.cuh`), sorted: a change to any of
+    /// them rebuilds the kernels (read from the folder, so a new header
+    /// needs no list to be edited).
+    fn headers() -> anyhow::Result<Vec<PathBuf>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir("kernels")? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "cuh") {
+                out.push(path);
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
 
     pub fn build() -> anyhow::Result<()> {
         println!("cargo:rerun-if-changed=kernels");
         println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
         println!("cargo:rerun-if-env-changed=CUDA_NVCC_FLAGS");
-        for h in HEADERS {
-            println!("cargo:rerun-if-changed={h}");
+        let headers = headers()?;
+        for h in &headers {
+            println!("cargo:rerun-if-changed={}", h.display());
         }
         println!("cargo:rerun-if-changed=src/cuda/tiles.rs");
         println!("cargo:rerun-if-changed=src/cuda/layer_shapes.rs");
@@ -163,7 +173,7 @@ mod cuda {
         let arch = arch.trim_start_matches("sm_").to_string();
         let mut builder = cudaforge::KernelBuilder::new()
             .source_dir("kernels")
-            .watch(HEADERS)
+            .watch(&headers)
             .watch([&contract, &attention_instances, &stream_instances])
             .arg(&include)
             .compute_cap_arch(&arch)
