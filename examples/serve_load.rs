@@ -19,9 +19,12 @@
 //! 1. Offline: for each `--concurrency` level c, `max(--requests-per-client
 //!    x c, 8)` requests of `--prompt-len` random prompt tokens and
 //!    `--max-tokens` new tokens (greedy, no stop token) through the
-//!    `Engine` with at most c sequences running, all submitted at once; then
+//!    `Engine`, c in flight (the next one added when one ends); then
 //!    `--poisson-requests` requests arriving at `--request-rate` per second
 //!    (Poisson), and the `--disconnect-requests` of the disconnect run.
+//!    The engine has the server's configuration (`max_num_seqs` = the most
+//!    clients of any run, at least 64; the same step budget and decode
+//!    graphs), so a ratio measures the server, not a smaller engine.
 //! 2. The model is dropped and loaded again behind the server
 //!    (`server::Server`, decode CUDA graphs captured at start-up) on a
 //!    loopback port; every request is a streamed `POST /v1/completions`
@@ -417,24 +420,29 @@ fn main() -> Result<()> {
         .take(16)
         .copied()
         .collect();
-    let run_offline = |work: &[WorkItem], seqs: usize| -> Result<paged::EngineRun> {
-        let config = SchedulerConfig {
-            max_batch_tokens: args.chunk_tokens,
-            max_num_seqs: seqs,
-        };
-        paged::run(
-            model.as_ref(),
-            cache(model.as_ref(), num_blocks)?,
-            config,
-            work,
-            Some(&warmup),
-            graphs,
-        )
+    // The offline engine is configured as the server's (same step budget,
+    // same `max_num_seqs`, so the same decode graphs), and a level of c
+    // clients keeps c requests in flight: the ratios then measure what the
+    // server adds, not a different engine configuration.
+    let scheduler = SchedulerConfig {
+        max_batch_tokens: args.chunk_tokens,
+        max_num_seqs: max_clients,
     };
+    // One engine for every offline run, its graphs captured once.
+    let mut engine = paged::start(
+        model.as_ref(),
+        cache(model.as_ref(), num_blocks)?,
+        scheduler,
+        longest,
+        Some(&warmup),
+        graphs,
+    )?;
+    let mut run_offline =
+        |work: &[WorkItem], in_flight: Option<usize>| paged::run_on(&mut engine, work, in_flight);
     let mut offline = Vec::new();
     for (w, &c) in level_work.iter().zip(&levels) {
-        eprintln!("offline: {} requests, at most {c} running", w.len());
-        offline.push(run_offline(w, c)?);
+        eprintln!("offline: {} requests, {c} in flight", w.len());
+        offline.push(run_offline(w, Some(c))?);
     }
     let offline_poisson = match &poisson_work {
         Some(w) => {
@@ -443,14 +451,14 @@ fn main() -> Result<()> {
                 w.len(),
                 args.request_rate
             );
-            Some(run_offline(w, max_clients)?)
+            Some(run_offline(w, None)?)
         }
         None => None,
     };
     let offline_disconnect = match &disconnect_work {
         Some(w) => {
             eprintln!("offline: the {} requests of the disconnect run", w.len());
-            Some(run_offline(w, args.disconnect_clients)?)
+            Some(run_offline(w, Some(args.disconnect_clients))?)
         }
         None => None,
     };
@@ -458,6 +466,8 @@ fn main() -> Result<()> {
         .last()
         .map(|r| r.decode_path.clone())
         .unwrap_or_default();
+    // The offline engine's caches and graphs go before the server loads.
+    drop(engine);
     drop(model);
 
     // --- server --------------------------------------------------------------
@@ -478,10 +488,7 @@ fn main() -> Result<()> {
             })
         },
         ServeConfig {
-            scheduler: SchedulerConfig {
-                max_batch_tokens: args.chunk_tokens,
-                max_num_seqs: max_clients,
-            },
+            scheduler,
             max_waiting: args
                 .disconnect_requests
                 .max(args.poisson_requests)

@@ -682,7 +682,7 @@ fn main() -> Result<()> {
     // the prefix cache.
     let warm_prompt: Vec<u32> = work[0].prompt.iter().take(16).rev().copied().collect();
     let warm = (!args.no_warmup).then_some(warm_prompt.as_slice());
-    let engine = paged::run(model, cache, sched, &work, warm, !args.no_cuda_graph)?;
+    let engine = paged::run(model, cache, sched, &work, warm, !args.no_cuda_graph, None)?;
     eprintln!(
         "paged engine: {:.3}s, {:.1} generated tok/s; decode path: {}",
         engine.stats.wall_s,

@@ -54,7 +54,7 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> Request {
 
 /// Builds an engine over `model` and `cache` (decode steps replaying CUDA
 /// graphs when `cuda_graphs`, all captured before the timed run), warms it
-/// up with `warmup_prompt` when given, and runs `work`.
+/// up with `warmup_prompt` when given, and runs `work` (see [`run_on`]).
 pub fn run(
     model: &dyn PagedModel,
     cache: PagedKvCache,
@@ -62,13 +62,37 @@ pub fn run(
     work: &[WorkItem],
     warmup_prompt: Option<&[u32]>,
     cuda_graphs: bool,
+    max_in_flight: Option<usize>,
 ) -> Result<EngineRun> {
-    let mut engine = Engine::new(model, cache, config)?.with_cuda_graphs(cuda_graphs);
     let max_context = work
         .iter()
         .map(|w| w.prompt.len() + w.max_tokens)
         .max()
         .unwrap_or(1);
+    let mut engine = start(
+        model,
+        cache,
+        config,
+        max_context,
+        warmup_prompt,
+        cuda_graphs,
+    )?;
+    run_on(&mut engine, work, max_in_flight)
+}
+
+/// Builds an engine over `model` and `cache`, captures its decode graphs
+/// for sequences of up to `max_context` tokens when `cuda_graphs` (as a
+/// server does at start-up), and warms it up with `warmup_prompt` when
+/// given.
+pub fn start<'m>(
+    model: &'m dyn PagedModel,
+    cache: PagedKvCache,
+    config: SchedulerConfig,
+    max_context: usize,
+    warmup_prompt: Option<&[u32]>,
+    cuda_graphs: bool,
+) -> Result<Engine<'m, dyn PagedModel + 'm>> {
+    let mut engine = Engine::new(model, cache, config)?.with_cuda_graphs(cuda_graphs);
     let t = Instant::now();
     let graphs = engine.capture_cuda_graphs(max_context)?;
     if graphs > 0 {
@@ -80,20 +104,56 @@ pub fn run(
     if let Some(p) = warmup_prompt {
         warm_up(&mut engine, p)?;
     }
+    Ok(engine)
+}
+
+/// Runs `work` through `engine` (idle: every earlier request ended), timing
+/// each token; the counters cover this run alone.
+///
+/// With `max_in_flight = Some(c)`, at most `c` requests are in the engine
+/// at once: the next one is added (at its arrival time or later) when one
+/// finishes, as `c` clients that each send a request when their previous
+/// one ended (a closed loop). With `None`, each request is added at its
+/// arrival time and the engine's `max_num_seqs` alone bounds the batch.
+pub fn run_on(
+    engine: &mut Engine<'_, dyn PagedModel + '_>,
+    work: &[WorkItem],
+    max_in_flight: Option<usize>,
+) -> Result<EngineRun> {
+    if max_in_flight == Some(0) {
+        bail!("max_in_flight must be at least 1 when given");
+    }
+    if engine.has_work() {
+        bail!("the engine still has requests of an earlier run");
+    }
+    let in_flight_limit = max_in_flight.unwrap_or(usize::MAX);
     engine.reset_stats();
     let mut timeline = Timeline::new(work.len());
     let mut next = 0;
+    let mut finished = 0;
     let mut max_batch = 0;
     let t0 = Instant::now();
     while next < work.len() || engine.has_work() {
         let now = t0.elapsed();
-        while next < work.len() && work[next].arrival <= now {
+        if !engine.has_work() {
+            // Whatever was added has ended (a request that failed sends no
+            // last token).
+            finished = next;
+        }
+        while next < work.len() && work[next].arrival <= now && next - finished < in_flight_limit {
             let w = &work[next];
             engine.add_request(request(next as u64, w.prompt.clone(), w.max_tokens))?;
-            timeline.arrivals[next] = w.arrival.as_secs_f64();
+            // A closed loop's request is sent when its client is free.
+            let sent = if max_in_flight.is_some() {
+                now.max(w.arrival)
+            } else {
+                w.arrival
+            };
+            timeline.arrivals[next] = sent.as_secs_f64();
             next += 1;
         }
         if !engine.has_work() {
+            // Nothing is in flight: the next request has not arrived yet.
             let wait = work[next].arrival.saturating_sub(now);
             std::thread::sleep(wait.min(Duration::from_millis(50)));
             continue;
@@ -103,6 +163,7 @@ pub fn run(
         max_batch = max_batch.max(events.len());
         for ev in &events {
             timeline.token_times[ev.id as usize].push(t);
+            finished += usize::from(ev.finished.is_some());
         }
     }
     let wall = t0.elapsed().as_secs_f64();
