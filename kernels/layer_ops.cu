@@ -143,3 +143,115 @@ CPA_GATED(gelu_tanh_mul_f16_f16, GeluTanh, __half, __half)
 CPA_GATED(gelu_tanh_mul_bf16_bf16, GeluTanh, __nv_bfloat16, __nv_bfloat16)
 CPA_GATED(gelu_tanh_mul_f32_f16, GeluTanh, float, __half)
 CPA_GATED(gelu_tanh_mul_f32_bf16, GeluTanh, float, __nv_bfloat16)
+
+// ---- skinny matmul -------------------------------------------------------------
+// `skinny_matmul_{t}_m{M}`: y (M, n) = x (M, k) . w^T for w (n, k) row-major
+// (a linear layer's weight) and M <= cpa_skinny_max_rows rows of x: the
+// projections of a decode step of a few sequences, whose time is the weight
+// read. Each warp computes R = cpa_skinny_cols_per_warp_m{M} consecutive
+// outputs (rows of w), streaming them through 16-byte loads that skip L1
+// (x, reused by every warp, goes through it; R rows share each load of x),
+// with U loads of each row in flight; f32 sums (lane-strided, then a warp
+// reduction), rounded once to T. Needs k % 8 == 0 and 16-byte aligned x and
+// w (checked by the launch). NaN and infinity propagate as in a matmul.
+constexpr int SKINNY_THREADS = cpa_skinny_threads;
+static_assert(SKINNY_THREADS % 32 == 0 && SKINNY_THREADS <= 1024, "whole warps per skinny program");
+
+// A 16-byte load that does not allocate in L1: each weight is read once.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float2 pair_to_f32(uint32_t u, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+__device__ __forceinline__ float2 pair_to_f32(uint32_t u, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+
+// acc + the dot product of 8 packed T values of a and b, in f32.
+template <typename T>
+__device__ __forceinline__ float dot8(float acc, uint4 a, uint4 b) {
+  const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 fa = pair_to_f32(av[i], T{}), fb = pair_to_f32(bv[i], T{});
+    acc = fmaf(fa.x, fb.x, acc);
+    acc = fmaf(fa.y, fb.y, acc);
+  }
+  return acc;
+}
+
+template <typename T, int M, int R>
+__device__ __forceinline__ void skinny_body(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                                            int64_t n, int64_t k) {
+  constexpr int U = M <= 4 ? 4 : 2;  // loads of each weight row in flight
+  const int lane = threadIdx.x % 32;
+  const int64_t col0 = ((int64_t)blockIdx.x * (SKINNY_THREADS / 32) + threadIdx.x / 32) * R;
+  if (col0 >= n) return;
+  const int64_t kv = k / 8;  // 16-byte vectors per row
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  // Rows past n read row col0 again (in bounds); their sums are not written.
+  const uint4* wrow[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) wrow[r] = wv + (col0 + r < n ? col0 + r : col0) * kv;
+  float acc[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+  for (int64_t v0 = lane; v0 < kv; v0 += 32 * U) {
+    uint4 wr[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + 32 * u;
+#pragma unroll
+      for (int r = 0; r < R; ++r) wr[u][r] = v < kv ? load_stream(wrow[r] + v) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + 32 * u;
+      if (v < kv) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const uint4 xm = __ldg(xv + m * kv + v);
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[m][r] = dot8<T>(acc[m][r], xm, wr[u][r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s = acc[m][r];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0 && col0 + r < n) y[m * n + col0 + r] = from_f32<T>(s);
+    }
+}
+
+#define CPA_SKINNY(T, TNAME, M)                                                          \
+  extern "C" __global__ void __launch_bounds__(SKINNY_THREADS)                           \
+      skinny_matmul_##TNAME##_m##M(const T* x, const T* w, T* y, int64_t n, int64_t k) { \
+    skinny_body<T, M, cpa_skinny_cols_per_warp_m##M>(x, w, y, n, k);                     \
+  }
+#define CPA_SKINNY_ALL(T, TNAME) \
+  CPA_SKINNY(T, TNAME, 1)        \
+  CPA_SKINNY(T, TNAME, 2)        \
+  CPA_SKINNY(T, TNAME, 3)        \
+  CPA_SKINNY(T, TNAME, 4)        \
+  CPA_SKINNY(T, TNAME, 5)        \
+  CPA_SKINNY(T, TNAME, 6)        \
+  CPA_SKINNY(T, TNAME, 7)        \
+  CPA_SKINNY(T, TNAME, 8)
+
+CPA_SKINNY_ALL(__half, f16)
+CPA_SKINNY_ALL(__nv_bfloat16, bf16)
+static_assert(cpa_skinny_max_rows == 8, "one skinny_matmul instance per row count up to the maximum");

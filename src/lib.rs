@@ -99,6 +99,9 @@ pub use cuda::describe::{kernel_instance_reports, KernelInstanceReport, LaunchRe
 pub use cuda::plan::launch_plans_made;
 pub use metadata::{AttentionMetadata, GraphMode, LayerBatch, WindowGroup};
 pub use ops::layer_ops::{add_rms_norm, gated_activation, rms_norm};
+pub use ops::linear::{
+    linear, skinny_matmul, SkinnyMatmul, SKINNY_LINEAR_ROWS, SKINNY_MATMUL_ENV, SKINNY_MAX_ROWS,
+};
 #[cfg(feature = "cuda")]
 pub use ops::paged_attention::cuda_launch_plan;
 #[cfg(feature = "cuda")]

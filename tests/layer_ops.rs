@@ -1,12 +1,16 @@
 //! The fused layer ops (`rms_norm`, `add_rms_norm`, `gated_activation`)
-//! against an f64 reference computed here from the inputs, on the CPU and,
+//! and the linear layers' matmul (`skinny_matmul`, `linear`) against an f64
+//! reference computed here from the inputs, on the CPU and,
 //! with the `cuda` feature, on the GPU (run with
 //! `CANDLE_PAGED_ATTENTION_POISON=1` there so that an element a kernel
 //! forgets to write is NaN).
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_paged_attention::{add_rms_norm, gated_activation, rms_norm, GatedActivation};
+use candle_paged_attention::{
+    add_rms_norm, gated_activation, linear, rms_norm, skinny_matmul, GatedActivation,
+    SKINNY_MAX_ROWS,
+};
 use rstest::rstest;
 
 #[macro_use]
@@ -276,5 +280,155 @@ fn bad_arguments_are_errors_naming_the_op() -> Result<()> {
         msg(gated_activation(&xb, GatedActivation::Silu, DType::F32))
             .contains("gated-activation: a BF16 gate_up cannot give a F32 output")
     );
+    Ok(())
+}
+
+/// `x · wᵀ` in f64 of row-major `x` `(m, k)` and `w` `(n, k)`.
+fn ref_matmul(x: &[f64], w: &[f64], (m, n, k): (usize, usize, usize)) -> Vec<f64> {
+    let mut out = vec![0.0; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            out[r * n + c] = (0..k).map(|i| x[r * k + i] * w[c * k + i]).sum();
+        }
+    }
+    out
+}
+
+/// Tolerance of a dot product of `k` terms rounded once to `dtype`: the
+/// rounding of the result plus f32 reassociation over the sum of |terms|.
+fn dot_tolerance(dtype: DType, want: f64, abs_sum: f64, k: usize) -> f64 {
+    tolerance(dtype, want.abs(), 0) + abs_sum * k as f64 * 2f64.powi(-23)
+}
+
+#[rstest]
+fn skinny_matmul_matches_reference(
+    #[values(DType::BF16, DType::F16)] dtype: DType,
+    #[values(1, 2, 3, 5, 8)] m: usize,
+    #[values((1, 8), (3, 24), (257, 264), (1000, 4096), (33, 14336))] nk: (usize, usize),
+) -> Result<()> {
+    let (n, k) = nk;
+    for dev in devices()? {
+        // Views at an offset of 8 elements: the kernel reads from the start.
+        let x = Tensor::randn(0f32, 1., (m + 1, k), &dev)?
+            .to_dtype(dtype)?
+            .narrow(0, 1, m)?;
+        let w = Tensor::randn(0f32, 1., (n * k + 8,), &dev)?
+            .to_dtype(dtype)?
+            .narrow(0, 8, n * k)?
+            .reshape((n, k))?;
+        let y = skinny_matmul(&x, &w)?;
+        assert_eq!((y.dims(), y.dtype()), (&[m, n][..], dtype));
+        let (xv, wv) = (values(&x)?, values(&w)?);
+        let want = ref_matmul(&xv, &wv, (m, n, k));
+        let abs: Vec<f64> = ref_matmul(
+            &xv.iter().map(|v| v.abs()).collect::<Vec<_>>(),
+            &wv.iter().map(|v| v.abs()).collect::<Vec<_>>(),
+            (m, n, k),
+        );
+        let got = values(&y)?;
+        for (i, ((g, w), a)) in got.iter().zip(&want).zip(&abs).enumerate() {
+            let tol = dot_tolerance(dtype, *w, *a, k);
+            assert!(
+                (g - w).abs() <= tol,
+                "skinny_matmul {dev:?} {dtype:?} m {m} n {n} k {k}: element {i}: got {g}, want {w} (tolerance {tol})"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn skinny_matmul_propagates_nan_to_its_row_and_column_only() -> Result<()> {
+    for dev in devices()? {
+        let (m, n, k) = (3, 5, 16);
+        let mut x = vec![1f32; m * k];
+        x[k + 3] = f32::NAN; // row 1
+        let mut w = vec![0.5f32; n * k];
+        w[2 * k + 7] = f32::INFINITY; // column 2
+        let x = Tensor::from_vec(x, (m, k), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::from_vec(w, (n, k), &dev)?.to_dtype(DType::BF16)?;
+        let y = values(&skinny_matmul(&x, &w)?)?;
+        for r in 0..m {
+            for c in 0..n {
+                let v = y[r * n + c];
+                match (r, c) {
+                    (1, _) => assert!(v.is_nan(), "{dev:?} ({r}, {c}): {v}"),
+                    (_, 2) => assert_eq!(v, f64::INFINITY, "{dev:?} ({r}, {c})"),
+                    _ => assert_eq!(v, 8.0, "{dev:?} ({r}, {c})"),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[rstest]
+fn linear_matches_candle_nn_within_rounding(
+    #[values(1, 4, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40)] rows: usize,
+    #[values(false, true)] bias: bool,
+) -> Result<()> {
+    let (n, k) = (200, 264);
+    for dev in devices()? {
+        let x = Tensor::randn(0f32, 1., (rows, k), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::randn(0f32, 1., (n, k), &dev)?.to_dtype(DType::BF16)?;
+        let b = Tensor::randn(0f32, 1., n, &dev)?.to_dtype(DType::BF16)?;
+        let b = bias.then_some(&b);
+        let got = values(&linear(&x, &w, b)?)?;
+        let product = ref_matmul(&values(&x)?, &values(&w)?, (rows, n, k));
+        let mut want = product.clone();
+        if let Some(b) = b {
+            let bv = values(b)?;
+            for (i, v) in want.iter_mut().enumerate() {
+                *v += bv[i % n];
+            }
+        }
+        for (i, ((g, w), p)) in got.iter().zip(&want).zip(&product).enumerate() {
+            // Both paths round the product once, and the sum with the bias
+            // once more.
+            let scale = w.abs().max(p.abs()).max(1.0);
+            let tol = 2. * tolerance(DType::BF16, scale, k) + k as f64 * 2f64.powi(-20);
+            assert!(
+                (g - w).abs() <= tol,
+                "linear {dev:?} rows {rows} bias {bias}: element {i}: got {g}, want {w}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn skinny_matmul_rejects_bad_calls_naming_the_op() -> Result<()> {
+    for dev in devices()? {
+        let w = Tensor::zeros((4, 16), DType::BF16, &dev)?;
+        let cases = [
+            (
+                Tensor::zeros((9, 16), DType::BF16, &dev)?,
+                "1 to 8 rows, got 9",
+            ),
+            (
+                Tensor::zeros((0, 16), DType::BF16, &dev)?,
+                "1 to 8 rows, got 0",
+            ),
+            (Tensor::zeros((2, 8), DType::BF16, &dev)?, "k differs"),
+            (Tensor::zeros((2, 16), DType::F16, &dev)?, "like x"),
+            (
+                Tensor::zeros((2, 4, 16), DType::BF16, &dev)?,
+                "x must be (m, k)",
+            ),
+        ];
+        for (x, want) in cases {
+            let err = skinny_matmul(&x, &w).unwrap_err().to_string();
+            assert!(
+                err.contains("skinny-matmul") && err.contains(want),
+                "{dev:?}: {err}"
+            );
+        }
+        if dev.is_cuda() {
+            let x = Tensor::zeros((2, 12), DType::BF16, &dev)?;
+            let w = Tensor::zeros((4, 12), DType::BF16, &dev)?;
+            let err = skinny_matmul(&x, &w).unwrap_err().to_string();
+            assert!(err.contains("multiple of 8"), "{err}");
+        }
+    }
     Ok(())
 }

@@ -164,3 +164,59 @@ pub(crate) fn gated(
         (i, o) => bail!("{op}: a {i:?} input cannot give a {o:?} output"),
     }
 }
+
+fn skinny_typed<T: Elem + WithDType>(
+    op: &str,
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    (m, n, k): (usize, usize, usize),
+) -> Result<CpuStorage> {
+    let xs = slice::<T>(op, "x", x.0, x.1)?;
+    let ws = slice::<T>(op, "w", w.0, w.1)?;
+    if xs.len() != m * k || ws.len() != n * k {
+        bail!(
+            "{op}: x holds {} and w {} elements for {m} x {k} and {n} x {k}",
+            xs.len(),
+            ws.len()
+        );
+    }
+    let mut out = vec![T::from_f32(0.); m * n];
+    out.par_chunks_mut(n.max(1))
+        .enumerate()
+        .for_each(|(r, row)| {
+            let xr = &xs[r * k..(r + 1) * k];
+            for (c, o) in row.iter_mut().enumerate() {
+                let wr = &ws[c * k..(c + 1) * k];
+                let s: f32 = xr
+                    .iter()
+                    .zip(wr)
+                    .map(|(a, b)| a.to_f32() * b.to_f32())
+                    .sum();
+                *o = T::from_f32(s);
+            }
+        });
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+/// `x · wᵀ` of `x` `(m, k)` and `w` `(n, k)`, contiguous, of one dtype
+/// (f32, f16 or bf16): `(m, n)` of products summed in f32, rounded once.
+pub(crate) fn skinny_matmul(
+    op: &str,
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    dims: (usize, usize, usize),
+) -> Result<CpuStorage> {
+    if x.0.dtype() != w.0.dtype() {
+        bail!(
+            "{op}: w must be {:?} like x, got {:?}",
+            x.0.dtype(),
+            w.0.dtype()
+        );
+    }
+    match x.0.dtype() {
+        DType::F32 => skinny_typed::<f32>(op, x, w, dims),
+        DType::F16 => skinny_typed::<f16>(op, x, w, dims),
+        DType::BF16 => skinny_typed::<bf16>(op, x, w, dims),
+        dt => bail!("{op}: expected f32, f16 or bf16, got {dt:?}"),
+    }
+}

@@ -1,5 +1,6 @@
 //! Launch plumbing of the fused layer ops on CUDA (kernels/layer_ops.cu):
-//! `rms_norm`, `add_rms_norm` and the gated activations. Each launch
+//! `rms_norm`, `add_rms_norm`, the gated activations and the skinny
+//! matmul. Each launch
 //! allocates its output and nothing else, so it can be captured in a CUDA
 //! graph.
 //!
@@ -11,7 +12,9 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
 use super::buffers::{alloc_poisoned, float_name};
-use super::layer_shapes::{ACT_THREADS, NORM_THREADS};
+use super::layer_shapes::{
+    skinny_cols_per_warp, ACT_THREADS, NORM_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
+};
 use super::{device_address, function, LAYER_MODULE};
 use crate::params::GatedActivation;
 
@@ -177,6 +180,69 @@ pub(crate) fn gated(
         // SAFETY: `gate_up` holds rows * 2 * inter elements and `out` rows *
         // inter of the kernel's types (checked above and by the op); the guards
         // keep them alive and ordered past the launch.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(out)
+}
+
+/// `x · wᵀ` of `x` `(m, k)` and `w` `(n, k)`, both contiguous, of one
+/// 16-bit dtype, with `1 <= m <= SKINNY_MAX_ROWS`, `k > 0` and `k % 8 == 0`; both
+/// must start 16-byte aligned. Returns `(m, n)` of that dtype.
+pub(crate) fn skinny_matmul(
+    op: &str,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    (m, n, k): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let dtype = x.0.dtype();
+    let t = match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        dt => bail!("{op}: x must be bf16 or f16, got {dt:?}"),
+    };
+    if w.0.dtype() != dtype {
+        bail!("{op}: w must be {dtype:?} like x, got {:?}", w.0.dtype());
+    }
+    contiguous(op, "x", x.1)?;
+    contiguous(op, "w", w.1)?;
+    if !(1..=SKINNY_MAX_ROWS).contains(&m) || k == 0 || !k.is_multiple_of(8) {
+        bail!(
+            "{op}: takes 1 to {SKINNY_MAX_ROWS} rows of a positive multiple of 8 columns, got {m} x {k}"
+        );
+    }
+    let dev = x.0.device().clone();
+    let stream = dev.cuda_stream();
+    let out = alloc_poisoned(op, &dev, dtype, m * n)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let func = function(&dev, &format!("skinny_matmul_{t}_m{m}"), &LAYER_MODULE, 0)?;
+    // The guards end with this block, before `out` is returned.
+    {
+        let (x_addr, _x_sync) = device_address(x.0, x.1, &stream);
+        let (w_addr, _w_sync) = device_address(w.0, w.1, &stream);
+        let (y_addr, _y_sync) = device_address(&out, &Layout::contiguous(m * n), &stream);
+        if !x_addr.is_multiple_of(16) || !w_addr.is_multiple_of(16) {
+            bail!("{op}: x and w must start 16-byte aligned (x at {x_addr:#x}, w at {w_addr:#x})");
+        }
+        let (Ok(n_i), Ok(k_i)) = (i64::try_from(n), i64::try_from(k)) else {
+            bail!("{op}: {n} x {k} does not fit 64-bit offsets");
+        };
+        let per_program = (SKINNY_THREADS as usize / 32) * skinny_cols_per_warp(m);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(op, n.div_ceil(per_program))?, 1, 1),
+            block_dim: (SKINNY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&func);
+        b.arg(&x_addr);
+        b.arg(&w_addr);
+        b.arg(&y_addr);
+        b.arg(&n_i);
+        b.arg(&k_i);
+        // SAFETY: `x` holds m * k, `w` n * k and `out` m * n elements of the
+        // kernel's type, x and w 16-byte aligned with k % 8 == 0 (checked
+        // above); the guards keep them alive and ordered past the launch.
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok(out)

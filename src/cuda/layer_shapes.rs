@@ -8,3 +8,20 @@ pub(crate) const NORM_THREADS: u32 = 256;
 
 /// Threads of a gated-activation program.
 pub(crate) const ACT_THREADS: u32 = 256;
+
+/// Threads of a skinny-matmul program.
+pub(crate) const SKINNY_THREADS: u32 = 128;
+
+/// Outputs (rows of the weight) each warp of a skinny matmul of `m` rows
+/// of x computes: more for more rows, so that each 16-byte load of x from
+/// L1 serves more weight rows.
+pub(crate) const fn skinny_cols_per_warp(m: usize) -> usize {
+    if m <= 2 {
+        2
+    } else {
+        4
+    }
+}
+
+/// The most rows of `x` a skinny matmul takes (one kernel per count).
+pub(crate) const SKINNY_MAX_ROWS: usize = 8;

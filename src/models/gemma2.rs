@@ -17,6 +17,7 @@ use super::{check_cache, check_input, select_rows, PagedKvCache, PagedModel, Pag
 use crate::attention::{Attention, AttentionOptions};
 use crate::cache::LayerKvCache;
 use crate::metadata::AttentionMetadata;
+use crate::ops::linear::linear;
 
 const OP: &str = "gemma2";
 
@@ -180,10 +181,10 @@ impl GemmaAttention {
                     1,
                 )?;
             }
-            return self
+            let out = self
                 .attn
-                .forward_rotary_qkv(&qkv, rotary.rows(), cache, metadata)?
-                .apply(&self.o_proj);
+                .forward_rotary_qkv(&qkv, rotary.rows(), cache, metadata)?;
+            return linear(&out, self.o_proj.weight(), self.o_proj.bias());
         }
         let [mut q, mut k, v] = self.qkv_proj.forward(x)?;
         if let Some((q_norm, k_norm)) = &self.qk_norms {
@@ -192,9 +193,8 @@ impl GemmaAttention {
         }
         let q = rotary.apply(&q, h)?;
         let k = rotary.apply(&k, kvh)?;
-        self.attn
-            .forward(&q, &k, &v, cache, metadata)?
-            .apply(&self.o_proj)
+        let out = self.attn.forward(&q, &k, &v, cache, metadata)?;
+        linear(&out, self.o_proj.weight(), self.o_proj.bias())
     }
 }
 
@@ -341,7 +341,11 @@ impl GemmaTrunk {
         normed: &Tensor,
         rows: &[usize],
     ) -> Result<Tensor> {
-        let logits = select_rows(component, normed, rows)?.apply(&self.lm_head)?;
+        let logits = linear(
+            &select_rows(component, normed, rows)?,
+            self.lm_head.weight(),
+            self.lm_head.bias(),
+        )?;
         let logits = match self.final_logit_softcapping {
             Some(c) => softcap(&logits, c)?,
             None => logits,

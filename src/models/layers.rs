@@ -154,14 +154,17 @@ impl FusedLinear {
     /// `x` `(num_tokens, in_dim)` -> the projections side by side,
     /// `(num_tokens, sum(out_dim))`, from one matmul.
     pub(crate) fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
-        x.apply(&self.linear)
+        crate::ops::linear::linear(x, self.linear.weight(), self.linear.bias())
     }
 
     /// `x` `(num_tokens, in_dim)` -> one `(num_tokens, out_dim)` view per
     /// projection (columns of one matmul's output, not contiguous); `N` is
     /// the number of projections loaded.
     pub(crate) fn forward<const N: usize>(&self, x: &Tensor) -> Result<[Tensor; N]> {
-        let parts = split_columns(&x.apply(&self.linear)?, &self.outs)?;
+        let parts = split_columns(
+            &crate::ops::linear::linear(x, self.linear.weight(), self.linear.bias())?,
+            &self.outs,
+        )?;
         let n = parts.len();
         parts
             .try_into()

@@ -66,7 +66,7 @@ impl RowParallelLinear {
 impl Module for RowParallelLinear {
     /// `x` `(num_tokens, in / world_size)` (`in` whole) -> `(num_tokens, out)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.apply(&self.linear)?;
+        let y = crate::ops::linear::linear(x, self.linear.weight(), self.linear.bias())?;
         let Some((comm, bias)) = &self.group else {
             return Ok(y);
         };
@@ -190,7 +190,7 @@ impl VocabParallelHead {
 impl Module for VocabParallelHead {
     /// `x` `(rows, hidden)` -> `(rows, vocab)`, in x's dtype.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.apply(&self.linear)?;
+        let y = crate::ops::linear::linear(x, self.linear.weight(), self.linear.bias())?;
         let Some((chunk, vocab, comm)) = &self.group else {
             return Ok(y);
         };
