@@ -58,7 +58,7 @@ fn ref_norm(x: &[f64], w: &[f64], cols: usize, eps: f64, off: f64) -> Vec<f64> {
 #[rstest]
 fn rms_norm_matches_reference(
     #[values(DType::F32, DType::BF16, DType::F16)] dtype: DType,
-    #[values((1, 1), (3, 577), (5, 4096), (2, 8193))] shape: (usize, usize),
+    #[values((1, 1), (3, 577), (5, 4096), (2, 8192), (2, 8193), (1, 16384))] shape: (usize, usize),
     #[values(0.0, 1.0)] offset: f32,
 ) -> Result<()> {
     let (rows, cols) = shape;
@@ -90,7 +90,7 @@ fn rms_norm_matches_reference(
 fn add_rms_norm_matches_reference(
     #[values(DType::F32, DType::BF16, DType::F16)] dtype: DType,
     #[values(false, true)] f32_delta: bool,
-    #[values((1, 64), (7, 576), (3, 5001))] shape: (usize, usize),
+    #[values((1, 64), (7, 576), (3, 5001), (2, 4096), (1, 8192), (1, 8200))] shape: (usize, usize),
 ) -> Result<()> {
     let (rows, cols) = shape;
     for dev in devices()? {
@@ -190,6 +190,38 @@ fn gated_activation_matches_reference(
                 "{what}: element {i}: got {g}, want {w} (tolerance {t})"
             );
         }
+    }
+    Ok(())
+}
+
+/// Rows that start off a 16-byte boundary (a view at an odd element
+/// offset) take the element-by-element path and give the same values.
+#[rstest]
+fn norms_of_a_view_at_an_odd_offset_match_an_aligned_copy(
+    #[values(DType::BF16, DType::F16)] dtype: DType,
+) -> Result<()> {
+    let (rows, cols) = (3, 4096);
+    for dev in devices()? {
+        let flat = Tensor::randn(0f32, 1., rows * cols + 1, &dev)?.to_dtype(dtype)?;
+        let view = flat.narrow(0, 1, rows * cols)?.reshape((rows, cols))?;
+        let copy = view.copy()?;
+        let w = Tensor::randn(0f32, 1., cols, &dev)?.to_dtype(dtype)?;
+        let a = values(&rms_norm(&view, &w, 1e-5, 0.)?)?;
+        let b = values(&rms_norm(&copy, &w, 1e-5, 0.)?)?;
+        let want = ref_norm(&values(&copy)?, &values(&w)?, cols, 1e-5f32 as f64, 0.);
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let tol = |_w: f64| tolerance(dtype, scale, cols) * 2.;
+        assert_close(&format!("rms_norm view {dev:?} {dtype:?}"), &a, &want, &tol);
+        assert_close(&format!("rms_norm copy {dev:?} {dtype:?}"), &b, &want, &tol);
+        let (s1, n1) = add_rms_norm(&view, &copy, &w, 1e-5, 0.)?;
+        let (s2, n2) = add_rms_norm(&copy, &copy, &w, 1e-5, 0.)?;
+        assert_eq!(values(&s1)?, values(&s2)?, "{dev:?} {dtype:?}: sums");
+        assert_close(
+            &format!("add_rms_norm view {dev:?} {dtype:?}"),
+            &values(&n1)?,
+            &values(&n2)?,
+            &|w: f64| tolerance(dtype, w.abs().max(scale), cols) * 2.,
+        );
     }
     Ok(())
 }
