@@ -32,30 +32,22 @@ fn skinny_enabled() -> bool {
     *ON.get_or_init(|| std::env::var(SKINNY_MATMUL_ENV).map_or(true, |v| v != "0"))
 }
 
-/// `x · wᵀ` as one kernel: [`skinny_matmul`]'s op.
+/// `(m, n, k)` of `x` `(m, k)` and `w` `(n, k)`, or an error naming both
+/// shapes.
+fn mnk(x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
+    let (&[m, k], &[n, wk]) = (x, w) else {
+        bail!("{OP}: x must be (m, k) and w (n, k), got {x:?} and {w:?}");
+    };
+    if wk != k {
+        bail!("{OP}: w {w:?} does not match x {x:?}: k differs");
+    }
+    Ok((m, n, k))
+}
+
+/// [`skinny_matmul`]'s op: `x` `(m, k)` and `w` `(n, k)` of one dtype (f16
+/// or bf16 on CUDA, f32 too on the CPU) give `(m, n)` of that dtype.
 #[derive(Clone, Copy, Debug)]
 pub struct SkinnyMatmul;
-
-impl SkinnyMatmul {
-    /// `(m, n, k)` of a call, checked.
-    fn dims(&self, x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
-        let (&[m, k], &[n, wk]) = (x.dims(), w.dims()) else {
-            bail!(
-                "{OP}: x must be (m, k) and w (n, k), got {:?} and {:?}",
-                x.dims(),
-                w.dims()
-            );
-        };
-        if wk != k {
-            bail!(
-                "{OP}: w {:?} does not match x {:?}: k differs",
-                w.dims(),
-                x.dims()
-            );
-        }
-        Ok((m, n, k))
-    }
-}
 
 impl candle_core::CustomOp2 for SkinnyMatmul {
     fn name(&self) -> &'static str {
@@ -69,7 +61,7 @@ impl candle_core::CustomOp2 for SkinnyMatmul {
         w: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (m, n, k) = self.dims(xl, wl)?;
+        let (m, n, k) = mnk(xl.dims(), wl.dims())?;
         let out = crate::cpu::layer_ops::skinny_matmul(OP, (x, xl), (w, wl), (m, n, k))?;
         Ok((out, Shape::from((m, n))))
     }
@@ -82,7 +74,7 @@ impl candle_core::CustomOp2 for SkinnyMatmul {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (m, n, k) = self.dims(xl, wl)?;
+        let (m, n, k) = mnk(xl.dims(), wl.dims())?;
         let out = crate::cuda::layer_ops::skinny_matmul(OP, (x, xl), (w, wl), (m, n, k))?;
         Ok((out, Shape::from((m, n))))
     }
@@ -100,22 +92,9 @@ impl candle_core::CustomOp2 for SkinnyMatmul {
 ///
 /// Returns `(m, n)` of x's dtype.
 pub fn skinny_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (&[m, k], &[_, wk]) = (x.dims(), w.dims()) else {
-        bail!(
-            "{OP}: x must be (m, k) and w (n, k), got {:?} and {:?}",
-            x.dims(),
-            w.dims()
-        );
-    };
+    let (m, _, k) = mnk(x.dims(), w.dims())?;
     if !(1..=SKINNY_MAX_ROWS).contains(&m) {
         bail!("{OP}: x must have 1 to {SKINNY_MAX_ROWS} rows, got {m}");
-    }
-    if wk != k {
-        bail!(
-            "{OP}: w {:?} does not match x {:?}: k differs",
-            w.dims(),
-            x.dims()
-        );
     }
     if x.dtype() != w.dtype() {
         bail!(
