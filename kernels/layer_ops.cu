@@ -346,3 +346,72 @@ __device__ __forceinline__ void skinny_body(const T* __restrict__ x, const T* __
 CPA_SKINNY_ALL(__half, f16)
 CPA_SKINNY_ALL(__nv_bfloat16, bf16)
 static_assert(cpa_skinny_max_rows == 8, "one skinny_matmul instance per row count up to the maximum");
+
+// ---- greedy tokens ---------------------------------------------------------------
+// `greedy_rows_f32`: for each row of `logits` (rows, vocab) f32, one program
+// of GREEDY_THREADS threads writes out[2 * row] = the index of the row's
+// largest value (the lowest such index on ties; NaN never wins) and
+// out[2 * row + 1] = 1 if every value of the row is finite, else 0. One read
+// of the row (16-byte loads where the row is 16-byte aligned), instead of an
+// argmax program and a separate finiteness pass.
+constexpr int GREEDY_THREADS = cpa_greedy_threads;
+static_assert(GREEDY_THREADS % 32 == 0 && GREEDY_THREADS <= 1024, "whole warps per greedy program");
+
+__device__ __forceinline__ void greedy_take(float v, int64_t i, float& best, int64_t& arg, bool& finite) {
+  finite &= isfinite(v);
+  if (v > best || (v == best && i < arg)) {
+    best = v;
+    arg = i;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
+    greedy_rows_f32(const float* __restrict__ logits, uint32_t* __restrict__ out, int64_t vocab) {
+  const int64_t row = blockIdx.x;
+  const float* r = logits + row * vocab;
+  float best = __int_as_float(0xff800000);  // -inf
+  int64_t arg = INT64_MAX;
+  bool finite = true;
+  if (vocab % 4 == 0 && (reinterpret_cast<uintptr_t>(r) & 15) == 0) {
+    const float4* r4 = reinterpret_cast<const float4*>(r);
+    for (int64_t c = threadIdx.x; c < vocab / 4; c += GREEDY_THREADS) {
+      const float4 v = r4[c];
+      greedy_take(v.x, 4 * c, best, arg, finite);
+      greedy_take(v.y, 4 * c + 1, best, arg, finite);
+      greedy_take(v.z, 4 * c + 2, best, arg, finite);
+      greedy_take(v.w, 4 * c + 3, best, arg, finite);
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < vocab; c += GREEDY_THREADS) greedy_take(r[c], c, best, arg, finite);
+  }
+  // Warp, then block: the largest value, lowest index on ties.
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int64_t oa = __shfl_xor_sync(0xffffffffu, arg, o);
+    if (ob > best || (ob == best && oa < arg)) {
+      best = ob;
+      arg = oa;
+    }
+  }
+  const bool all_finite = __syncthreads_and(finite);
+  __shared__ float sbest[GREEDY_THREADS / 32];
+  __shared__ int64_t sarg[GREEDY_THREADS / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    sbest[warp] = best;
+    sarg[warp] = arg;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < GREEDY_THREADS / 32; ++w) {
+      if (sbest[w] > best || (sbest[w] == best && sarg[w] < arg)) {
+        best = sbest[w];
+        arg = sarg[w];
+      }
+    }
+    // A row of NaN only (or empty) keeps no index: token 0, not finite.
+    out[2 * row] = arg == INT64_MAX ? 0u : (uint32_t)arg;
+    out[2 * row + 1] = all_finite ? 1u : 0u;
+  }
+}

@@ -98,6 +98,7 @@ pub use cuda::describe::{kernel_instance_reports, KernelInstanceReport, LaunchRe
 #[doc(hidden)]
 pub use cuda::plan::launch_plans_made;
 pub use metadata::{AttentionMetadata, GraphMode, LayerBatch, WindowGroup};
+pub use ops::greedy::{greedy_tokens, GreedyTokens};
 pub use ops::layer_ops::{add_rms_norm, gated_activation, rms_norm};
 pub use ops::linear::{
     linear, skinny_matmul, SkinnyMatmul, SKINNY_LINEAR_ROWS, SKINNY_MATMUL_ENV, SKINNY_MAX_ROWS,

@@ -8,8 +8,8 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_paged_attention::{
-    add_rms_norm, gated_activation, linear, rms_norm, skinny_matmul, GatedActivation,
-    SKINNY_MAX_ROWS,
+    add_rms_norm, gated_activation, greedy_tokens, linear, rms_norm, skinny_matmul,
+    GatedActivation, SKINNY_MAX_ROWS,
 };
 use rstest::rstest;
 
@@ -461,6 +461,57 @@ fn skinny_matmul_rejects_bad_calls_naming_the_op() -> Result<()> {
             let err = skinny_matmul(&x, &w).unwrap_err().to_string();
             assert!(err.contains("multiple of 8"), "{err}");
         }
+    }
+    Ok(())
+}
+
+#[rstest]
+fn greedy_tokens_are_candle_argmax_with_a_finiteness_flag(
+    #[values(1, 7, 50001, 128256)] vocab: usize,
+) -> Result<()> {
+    for dev in devices()? {
+        let rows = 5;
+        let mut v: Vec<f32> = Tensor::randn(0f32, 3., (rows, vocab), &Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?;
+        // Row 1: a tie for the maximum (the lower index wins); row 2: a NaN;
+        // row 3: +inf (the maximum, not finite); row 4: all -inf.
+        if vocab > 2 {
+            v[vocab + vocab - 1] = 100.0;
+            v[vocab + 1] = 100.0;
+        }
+        v[2 * vocab + vocab / 2] = f32::NAN;
+        v[3 * vocab + vocab - 1] = f32::INFINITY;
+        v[4 * vocab..5 * vocab].fill(f32::NEG_INFINITY);
+        let logits = Tensor::from_vec(v.clone(), (rows, vocab), &dev)?;
+        let got = greedy_tokens(&logits)?.to_vec2::<u32>()?;
+        let want_tok: Vec<u32> = Tensor::from_vec(v, (rows, vocab), &Device::Cpu)?
+            .argmax(1)?
+            .to_vec1()?;
+        let finite = [true, true, false, false, false];
+        for r in 0..rows {
+            assert_eq!(
+                got[r][1] == 1,
+                finite[r],
+                "{dev:?} vocab {vocab} row {r}: {got:?}"
+            );
+            // The token of a row with a NaN is not asked for (the engine
+            // ends such a request); every other row's is candle's argmax.
+            if r != 2 {
+                assert_eq!(got[r][0], want_tok[r], "{dev:?} vocab {vocab} row {r}");
+            }
+        }
+        if vocab > 2 {
+            assert_eq!(got[1][0], 1, "{dev:?}: a tie goes to the lower index");
+        }
+        assert_eq!(
+            got[3][0] as usize,
+            vocab - 1,
+            "{dev:?}: +inf is the maximum"
+        );
+        assert_eq!(got[4][0], 0, "{dev:?}: a row of -inf gives index 0");
+        let err = greedy_tokens(&logits.to_dtype(DType::BF16)?).unwrap_err();
+        assert!(err.to_string().contains("greedy-tokens"), "{err}");
     }
     Ok(())
 }

@@ -9,6 +9,9 @@ pub(crate) const NORM_THREADS: u32 = 256;
 /// Threads of a gated-activation program.
 pub(crate) const ACT_THREADS: u32 = 256;
 
+/// Threads of a greedy-token program (one per row of logits).
+pub(crate) const GREEDY_THREADS: u32 = 512;
+
 /// Threads of a skinny-matmul program.
 pub(crate) const SKINNY_THREADS: u32 = 128;
 

@@ -47,6 +47,11 @@ fn pick_rows(logits: &Tensor, idx: &[usize]) -> Result<Tensor> {
 /// finite (no NaN, no infinity), computed on the logits' device and read back
 /// in one copy of `2 * rows` integers.
 fn greedy_argmax(logits: &Tensor) -> Result<(Vec<u32>, Vec<bool>)> {
+    if logits.device().is_cuda() && logits.dtype() == DType::F32 {
+        // One kernel and one read of the logits for both answers.
+        let pairs = crate::ops::greedy::greedy_tokens(logits)?.to_vec2::<u32>()?;
+        return Ok(pairs.iter().map(|p| (p[0], p[1] == 1)).unzip());
+    }
     let n = logits.dim(0)?;
     let tokens = logits.argmax(D::Minus1)?;
     // x - x is 0 for a finite logit and NaN for NaN or +-inf, so a row sums

@@ -2,11 +2,13 @@
 //!
 //! Owns `paged_attention`, `reshape_and_cache`, the fused layer ops
 //! (`rms_norm`, `add_rms_norm`, `gated_activation`), the linear layers'
-//! matmul (`linear`, `skinny_matmul`) and their `CustomOp`s: each
+//! matmul (`linear`, `skinny_matmul`), the greedy tokens of logits
+//! (`greedy_tokens`) and their `CustomOp`s: each
 //! checks its call on the host, then hands the validated parameters
 //! ([`crate::params`]) to the backend of the query's device. The backends
 //! never import this module; it is the only one that imports them.
 
+pub(crate) mod greedy;
 pub(crate) mod layer_ops;
 pub(crate) mod linear;
 pub(crate) mod paged_attention;
