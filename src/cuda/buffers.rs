@@ -44,6 +44,7 @@ pub(crate) fn alloc_uninit(
         DType::F16 => alloc::<half::f16>(dev, n),
         DType::BF16 => alloc::<half::bf16>(dev, n),
         DType::F8E4M3 => alloc::<float8::F8E4M3>(dev, n),
+        DType::U32 => alloc::<u32>(dev, n),
         dt => bail!("{op}: cannot allocate a {dt:?} output"),
     }
 }

@@ -18,9 +18,15 @@
 //!    draws exactly from `softmax(s)` restricted to the kept tokens (the
 //!    Gumbel-max trick), with no sort and no cumulative sum of the draw.
 
-use candle_core::{bail, Result};
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor};
 
 const OP: &str = "sample";
+
+/// u32 words of one row's parameters on the device (see [`SampleRows`]).
+pub const SAMPLE_PARAM_WORDS: usize = 8;
+
+#[cfg(feature = "cuda")]
+const _: () = assert!(SAMPLE_PARAM_WORDS == crate::cuda::layer_shapes::SAMPLE_PARAM_WORDS);
 
 /// How one row is sampled. `Default`: temperature 1, every filter off.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -110,13 +116,8 @@ pub fn uniform(seed: u64, step: u64, index: u32) -> f64 {
 
 /// The kept tokens of `s` (logits minus their maximum, over the
 /// temperature) under `p`'s filters, as a mask.
-fn kept(s: &[f32], p: &RowSampling) -> Vec<bool> {
-    let mut keep: Vec<bool> = if p.min_p > 0.0 {
-        let floor = p.min_p.ln();
-        s.iter().map(|&v| v >= floor).collect()
-    } else {
-        vec![true; s.len()]
-    };
+fn kept(s: &[f32], p: &RowSampling, floor: f32) -> Vec<bool> {
+    let mut keep: Vec<bool> = s.iter().map(|&v| v >= floor).collect();
     let mut order: Vec<usize> = (0..s.len()).filter(|&i| keep[i]).collect();
     // Most likely first; equal values in index order.
     order.sort_by(|&a, &b| s[b].total_cmp(&s[a]).then(a.cmp(&b)));
@@ -165,9 +166,19 @@ pub fn sample_row(logits: &[f32], p: &RowSampling) -> Result<u32> {
             logits.len()
         );
     }
+    let floor = if p.min_p > 0.0 {
+        p.min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    };
+    sample_with_floor(logits, p, floor)
+}
+
+/// [`sample_row`] of finite `logits` with the min-p floor given.
+fn sample_with_floor(logits: &[f32], p: &RowSampling, floor: f32) -> Result<u32> {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let s: Vec<f32> = logits.iter().map(|&x| (x - m) / p.temperature).collect();
-    let keep = kept(&s, p);
+    let keep = kept(&s, p, floor);
     let mut best: Option<(f64, usize)> = None;
     for (i, &v) in s.iter().enumerate() {
         if !keep[i] {
@@ -185,6 +196,142 @@ pub fn sample_row(logits: &[f32], p: &RowSampling) -> Result<u32> {
     }
 }
 
+impl RowSampling {
+    /// The row's device parameters: temperature, the min-p floor
+    /// `ln(min_p)` in f32 (`-inf` when off), top_k, top_p (f32 bits), seed
+    /// and step (low word first).
+    fn words(&self) -> [u32; SAMPLE_PARAM_WORDS] {
+        let floor = if self.min_p > 0.0 {
+            self.min_p.ln()
+        } else {
+            f32::NEG_INFINITY
+        };
+        [
+            self.temperature.to_bits(),
+            floor.to_bits(),
+            self.top_k,
+            self.top_p.to_bits(),
+            self.seed as u32,
+            (self.seed >> 32) as u32,
+            self.step as u32,
+            (self.step >> 32) as u32,
+        ]
+    }
+
+    /// The row back from its device words (`min_p` from the floor).
+    fn from_words(w: &[u32]) -> Self {
+        Self {
+            temperature: f32::from_bits(w[0]),
+            top_k: w[2],
+            top_p: f32::from_bits(w[3]),
+            min_p: f32::from_bits(w[1]).exp(),
+            seed: w[4] as u64 | (w[5] as u64) << 32,
+            step: w[6] as u64 | (w[7] as u64) << 32,
+        }
+    }
+}
+
+/// [`sample_rows`]' op on `(rows, vocab)` f32 logits and `(rows,
+/// SAMPLE_PARAM_WORDS)` u32 parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct SampleRows;
+
+fn rows_vocab(logits: &Layout, params: &Layout) -> Result<(usize, usize)> {
+    let &[rows, vocab] = logits.dims() else {
+        bail!(
+            "{OP}: logits must be (rows, vocab), got {:?}",
+            logits.dims()
+        );
+    };
+    if params.dims() != [rows, SAMPLE_PARAM_WORDS] {
+        bail!(
+            "{OP}: params must be ({rows}, {SAMPLE_PARAM_WORDS}), got {:?}",
+            params.dims()
+        );
+    }
+    Ok((rows, vocab))
+}
+
+impl candle_core::CustomOp2 for SampleRows {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        l: &CpuStorage,
+        ll: &Layout,
+        p: &CpuStorage,
+        pl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (rows, vocab) = rows_vocab(ll, pl)?;
+        let (Some((ls, le)), Some((ps, pe))) = (ll.contiguous_offsets(), pl.contiguous_offsets())
+        else {
+            bail!("{OP}: logits and params must be contiguous");
+        };
+        let logits = &l.as_slice::<f32>()?[ls..le];
+        let words = &p.as_slice::<u32>()?[ps..pe];
+        let mut out = Vec::with_capacity(2 * rows);
+        for r in 0..rows {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let w = &words[r * SAMPLE_PARAM_WORDS..(r + 1) * SAMPLE_PARAM_WORDS];
+            if row.iter().any(|v| !v.is_finite()) {
+                out.extend([0, 0]);
+                continue;
+            }
+            // The floor travels as ln(min_p), computed once on the host.
+            let p = RowSampling::from_words(w);
+            out.extend([sample_with_floor(row, &p, f32::from_bits(w[1]))?, 1]);
+        }
+        Ok((CpuStorage::U32(out), Shape::from((rows, 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        l: &candle_core::CudaStorage,
+        ll: &Layout,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, vocab) = rows_vocab(ll, pl)?;
+        let out = crate::cuda::layer_ops::sample_rows(OP, (l, ll), (p, pl), rows, vocab)?;
+        Ok((out, Shape::from((rows, 2))))
+    }
+}
+
+/// One token of each row of `logits`, drawn as this module defines it.
+///
+/// # Arguments
+/// * `logits` - `(rows, vocab)` f32, `vocab >= 1`.
+/// * `rows` - one [`RowSampling`] per row (checked).
+///
+/// Returns `(rows, 2)` u32: per row the token and 1, or 0 and 0 for a row
+/// holding a NaN or an infinity (no token: the caller ends that request).
+pub fn sample_rows(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
+    let &[n, vocab] = logits.dims() else {
+        bail!(
+            "{OP}: logits must be (rows, vocab), got {:?}",
+            logits.dims()
+        );
+    };
+    if n != rows.len() {
+        bail!("{OP}: {n} rows of logits but {} parameter rows", rows.len());
+    }
+    if vocab == 0 {
+        bail!("{OP}: logits must have at least one token");
+    }
+    if logits.dtype() != DType::F32 {
+        bail!("{OP}: logits must be f32, got {:?}", logits.dtype());
+    }
+    for r in rows {
+        r.validate()?;
+    }
+    let words: Vec<u32> = rows.iter().flat_map(|r| r.words()).collect();
+    let params = Tensor::from_vec(words, (n, SAMPLE_PARAM_WORDS), logits.device())?;
+    logits.contiguous()?.apply_op2_no_bwd(&params, &SampleRows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,7 +340,12 @@ mod tests {
     fn exact(logits: &[f32], p: &RowSampling) -> Vec<f64> {
         let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let s: Vec<f32> = logits.iter().map(|&x| (x - m) / p.temperature).collect();
-        let keep = kept(&s, p);
+        let floor = if p.min_p > 0.0 {
+            p.min_p.ln()
+        } else {
+            f32::NEG_INFINITY
+        };
+        let keep = kept(&s, p, floor);
         let w: Vec<f64> = s
             .iter()
             .zip(&keep)
@@ -293,6 +445,52 @@ mod tests {
             // freedom is at most 31.3: a false alarm once in 1,000 seeds.
             assert!(chi2 < 31.3, "{p:?}: chi-square {chi2:.1} with {dof} dof");
         }
+        Ok(())
+    }
+
+    #[test]
+    fn sample_rows_on_the_cpu_is_sample_row_per_row() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let vocab = 300;
+        let logits = Tensor::randn(0f32, 2., (4, vocab), &dev)?;
+        let rows = [
+            RowSampling {
+                seed: 1,
+                ..Default::default()
+            },
+            RowSampling {
+                temperature: 0.6,
+                top_k: 20,
+                seed: 2,
+                step: 9,
+                ..Default::default()
+            },
+            RowSampling {
+                top_p: 0.8,
+                min_p: 0.01,
+                seed: 3,
+                step: 1 << 40,
+                ..Default::default()
+            },
+            RowSampling {
+                temperature: 1.7,
+                top_k: 5,
+                top_p: 0.5,
+                seed: u64::MAX,
+                ..Default::default()
+            },
+        ];
+        let got = sample_rows(&logits, &rows)?.to_vec2::<u32>()?;
+        let values = logits.to_vec2::<f32>()?;
+        for (r, p) in rows.iter().enumerate() {
+            assert_eq!(got[r], [sample_row(&values[r], p)?, 1], "row {r}");
+        }
+        let mut bad = values.clone();
+        bad[2][7] = f32::INFINITY;
+        let bad = Tensor::new(bad, &dev)?;
+        assert_eq!(sample_rows(&bad, &rows)?.to_vec2::<u32>()?[2], [0, 0]);
+        let err = sample_rows(&logits, &rows[..3]).unwrap_err().to_string();
+        assert!(err.contains("4 rows of logits but 3"), "{err}");
         Ok(())
     }
 
