@@ -44,8 +44,8 @@ mod cuda {
     use std::path::PathBuf;
 
     use super::layer_shapes::{
-        skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SKINNY_MAX_ROWS,
-        SKINNY_THREADS,
+        skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SAMPLE_PARAM_WORDS,
+        SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
     };
     use super::tiles::{instances, smem_bytes, Kind, TileInstance, QUERY_DTYPES};
 
@@ -78,6 +78,11 @@ mod cuda {
         writeln!(out, "constexpr int cpa_act_threads = {ACT_THREADS};")?;
         writeln!(out, "constexpr int cpa_skinny_threads = {SKINNY_THREADS};")?;
         writeln!(out, "constexpr int cpa_greedy_threads = {GREEDY_THREADS};")?;
+        writeln!(out, "constexpr int cpa_sample_threads = {SAMPLE_THREADS};")?;
+        writeln!(
+            out,
+            "constexpr int cpa_sample_param_words = {SAMPLE_PARAM_WORDS};"
+        )?;
         for m in 1..=SKINNY_MAX_ROWS {
             let cols = skinny_cols_per_warp(m);
             writeln!(out, "constexpr int cpa_skinny_cols_per_warp_m{m} = {cols};")?;

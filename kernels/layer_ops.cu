@@ -415,3 +415,231 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     out[2 * row + 1] = all_finite ? 1u : 0u;
   }
 }
+
+// ---- sampling ------------------------------------------------------------------
+// `sample_rows_f32`: one program of SAMPLE_THREADS threads per row of
+// `logits` (rows, vocab) f32 draws a token as src/ops/sample.rs defines it
+// (its host reference is `sample_row`), with the row's parameters
+// `params[row]` (SAMPLE_PARAM_WORDS u32: temperature (f32 bits), the min-p
+// floor ln(min_p) computed on the host (f32 bits, -inf when off), top_k (0
+// off), top_p (f32 bits, 1 off), seed lo, seed hi, step lo, step hi), and
+// writes out[2 * row] = the token, out[2 * row + 1] = 1, or 0 and 0 for a
+// row holding a NaN or an infinity. The k-th largest value (top-k) and the
+// top-p cut are found exactly by a radix descent over an order-preserving
+// integer key of the scaled logits (4 passes of 8 bits each; integer
+// counts, f64 masses), the draw by the Gumbel-max trick over a
+// Philox4x32-10 stream keyed by the seed, counted by (index, step).
+constexpr int SAMPLE_THREADS = cpa_sample_threads;
+constexpr int SAMPLE_PARAM_WORDS = cpa_sample_param_words;
+static_assert(SAMPLE_THREADS % 32 == 0 && SAMPLE_THREADS <= 1024, "whole warps per sampling program");
+static_assert(SAMPLE_PARAM_WORDS == 8, "the parameter layout above");
+
+__device__ __forceinline__ uint32_t order_key(float s) {
+  const uint32_t b = __float_as_uint(s);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float from_order_key(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Philox4x32-10, first output word.
+__device__ __forceinline__ uint32_t philox_first(uint32_t k0, uint32_t k1, uint32_t c0, uint32_t c1, uint32_t c2,
+                                                 uint32_t c3) {
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+  }
+  return c0;
+}
+
+struct SampleShared {
+  uint32_t hist[256];
+  double mass[256];
+  float fpart[SAMPLE_THREADS / 32];
+  double dpart[SAMPLE_THREADS / 32];
+  int64_t ipart[SAMPLE_THREADS / 32];
+  uint32_t prefix, mask, count;
+  double above;
+};
+
+// Block max of v (every thread gets it).
+__device__ __forceinline__ float sample_block_max(float v, SampleShared& sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (threadIdx.x % 32 == 0) sh.fpart[threadIdx.x / 32] = v;
+  __syncthreads();
+  float r = sh.fpart[0];
+  for (int w = 1; w < SAMPLE_THREADS / 32; ++w) r = fmaxf(r, sh.fpart[w]);
+  __syncthreads();
+  return r;
+}
+
+// Block sum of v in a fixed order (every thread gets it).
+__device__ __forceinline__ double sample_block_sum(double v, SampleShared& sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) sh.dpart[threadIdx.x / 32] = v;
+  __syncthreads();
+  double r = 0.0;
+  for (int w = 0; w < SAMPLE_THREADS / 32; ++w) r += sh.dpart[w];
+  __syncthreads();
+  return r;
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_rows_f32(const float* __restrict__ logits, const uint32_t* __restrict__ params,
+                    uint32_t* __restrict__ out, int64_t vocab) {
+  __shared__ SampleShared sh;
+  const int64_t row = blockIdx.x;
+  const float* r = logits + row * vocab;
+  const uint32_t* pw = params + row * SAMPLE_PARAM_WORDS;
+  const float temperature = __uint_as_float(pw[0]), floor_s = __uint_as_float(pw[1]);
+  const uint32_t top_k = pw[2];
+  const float top_p = __uint_as_float(pw[3]);
+  // 1. The maximum, and whether the row is finite.
+  float mx = __int_as_float(0xff800000);
+  bool finite = true;
+  for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+    const float v = r[i];
+    finite &= isfinite(v);
+    mx = fmaxf(mx, v);
+  }
+  if (!__syncthreads_and(finite)) {
+    if (threadIdx.x == 0) out[2 * row] = out[2 * row + 1] = 0u;
+    return;
+  }
+  mx = sample_block_max(mx, sh);
+  auto scaled = [&](int64_t i) { return __fdiv_rn(r[i] - mx, temperature); };
+  float thr = floor_s;  // keep s >= thr
+  // 2. Top-k: the k-th largest scaled logit among those above the floor.
+  if (top_k > 0) {
+    uint32_t n = 0;
+    for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) n += scaled(i) >= thr;
+    if (threadIdx.x == 0) sh.count = 0;
+    __syncthreads();
+    atomicAdd(&sh.count, n);
+    __syncthreads();
+    const uint32_t kept_n = sh.count;
+    __syncthreads();  // every thread has read it before it is reused below
+    if (top_k < kept_n) {
+      if (threadIdx.x == 0) {
+        sh.prefix = 0;
+        sh.mask = 0;
+        sh.count = top_k;  // rank still to find, from the top
+      }
+      for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += SAMPLE_THREADS) sh.hist[b] = 0;
+        __syncthreads();
+        const uint32_t prefix = sh.prefix, mask = sh.mask;
+        for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+          const float s = scaled(i);
+          const uint32_t k = order_key(s);
+          if (s >= thr && (k & mask) == prefix) atomicAdd(&sh.hist[(k >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          uint32_t rank = sh.count;
+          int b = 255;
+          for (; b > 0 && rank > sh.hist[b]; --b) rank -= sh.hist[b];
+          sh.count = rank;
+          sh.prefix = prefix | ((uint32_t)b << shift);
+          sh.mask = mask | (255u << shift);
+        }
+        __syncthreads();
+      }
+      thr = fmaxf(thr, from_order_key(sh.prefix));
+    }
+  }
+  // 3. Top-p: the largest cut whose tokens at or above it hold top_p of the
+  // kept mass.
+  if (top_p < 1.f) {
+    double z = 0.0;
+    for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+      const float s = scaled(i);
+      if (s >= thr) z += exp((double)s);
+    }
+    const double target = (double)top_p * sample_block_sum(z, sh);
+    if (threadIdx.x == 0) {
+      sh.prefix = 0;
+      sh.mask = 0;
+      sh.above = 0.0;
+    }
+    __syncthreads();
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int b = threadIdx.x; b < 256; b += SAMPLE_THREADS) sh.mass[b] = 0.0;
+      __syncthreads();
+      const uint32_t prefix = sh.prefix, mask = sh.mask;
+      for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float s = scaled(i);
+        const uint32_t k = order_key(s);
+        if (s >= thr && (k & mask) == prefix) atomicAdd(&sh.mass[(k >> shift) & 255u], exp((double)s));
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        double above = sh.above;
+        int b = 255, last = -1;
+        for (; b >= 0; --b) {
+          if (sh.mass[b] <= 0.0) continue;
+          last = b;
+          if (above + sh.mass[b] >= target) break;
+          above += sh.mass[b];
+        }
+        if (b < 0) b = last;  // rounding: the smallest bin that holds mass
+        sh.above = above;
+        sh.prefix = prefix | ((uint32_t)(b < 0 ? 0 : b) << shift);
+        sh.mask = mask | (255u << shift);
+      }
+      __syncthreads();
+    }
+    thr = fmaxf(thr, from_order_key(sh.prefix));
+  }
+  // 4. Gumbel-max over the kept tokens.
+  const uint32_t k0 = pw[4], k1 = pw[5], c1 = pw[6], c2 = pw[7];
+  double best = -INFINITY;
+  int64_t arg = INT64_MAX;
+  for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+    const float s = scaled(i);
+    if (!(s >= thr)) continue;
+    const uint32_t u = philox_first(k0, k1, (uint32_t)i, c1, c2, 0u);
+    const double uu = ((double)u + 0.5) / 4294967296.0;
+    const double key = (double)s - log(-log(uu));
+    if (key > best || (key == best && i < arg)) {
+      best = key;
+      arg = i;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const double ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int64_t oa = __shfl_xor_sync(0xffffffffu, arg, o);
+    if (ob > best || (ob == best && oa < arg)) {
+      best = ob;
+      arg = oa;
+    }
+  }
+  if (threadIdx.x % 32 == 0) {
+    sh.dpart[threadIdx.x / 32] = best;
+    sh.ipart[threadIdx.x / 32] = arg;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < SAMPLE_THREADS / 32; ++w) {
+      if (sh.dpart[w] > best || (sh.dpart[w] == best && sh.ipart[w] < arg)) {
+        best = sh.dpart[w];
+        arg = sh.ipart[w];
+      }
+    }
+    out[2 * row] = arg == INT64_MAX ? 0u : (uint32_t)arg;
+    out[2 * row + 1] = 1u;
+  }
+}

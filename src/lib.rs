@@ -111,6 +111,9 @@ pub use ops::paged_attention::cuda_launch_residency;
 pub use ops::paged_attention::{paged_attention, PagedAttention};
 pub use ops::reshape_and_cache::{reshape_and_cache, ReshapeAndCache};
 pub use ops::rotary_cache::{rotary_reshape_and_cache, RotaryRows};
+pub use ops::sample::{
+    philox4x32_10, sample_row, sample_rows, uniform, RowSampling, SampleRows, SAMPLE_PARAM_WORDS,
+};
 pub use params::{
     AttentionDims, GatedActivation, KvScales, KvSplit, PagedAttentionParams, MAX_HEAD_SIZE,
 };

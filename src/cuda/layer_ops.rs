@@ -13,8 +13,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
 use super::buffers::{alloc_poisoned, float_name};
 use super::layer_shapes::{
-    skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SKINNY_MAX_ROWS,
-    SKINNY_THREADS,
+    skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SAMPLE_PARAM_WORDS,
+    SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
 };
 use super::{device_address, function, LAYER_MODULE};
 use crate::params::GatedActivation;
@@ -287,6 +287,64 @@ pub(crate) fn greedy_rows(
         // SAFETY: `logits` holds rows * vocab f32 values and `out` 2 * rows
         // u32 (checked above and by the op); the guards keep them alive and
         // ordered past the launch.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(out)
+}
+
+/// One token of each row of `logits` `(rows, vocab)` f32 drawn with the
+/// row's `params` `(rows, SAMPLE_PARAM_WORDS)` u32 (both contiguous; the
+/// layout is `sample_rows_f32`'s): `(rows, 2)` u32 of `[token, finite]`.
+pub(crate) fn sample_rows(
+    op: &str,
+    logits: (&CudaStorage, &Layout),
+    params: (&CudaStorage, &Layout),
+    rows: usize,
+    vocab: usize,
+) -> Result<CudaStorage> {
+    if logits.0.dtype() != DType::F32 || params.0.dtype() != DType::U32 {
+        bail!(
+            "{op}: logits must be f32 and params u32, got {:?} and {:?}",
+            logits.0.dtype(),
+            params.0.dtype()
+        );
+    }
+    contiguous(op, "logits", logits.1)?;
+    contiguous(op, "params", params.1)?;
+    if params.1.shape().elem_count() != rows * SAMPLE_PARAM_WORDS {
+        bail!(
+            "{op}: params must be ({rows}, {SAMPLE_PARAM_WORDS}), got {:?}",
+            params.1.dims()
+        );
+    }
+    let dev = logits.0.device().clone();
+    let stream = dev.cuda_stream();
+    let out = alloc_poisoned(op, &dev, DType::U32, 2 * rows)?;
+    if rows == 0 {
+        return Ok(out);
+    }
+    let func = function(&dev, "sample_rows_f32", &LAYER_MODULE, 0)?;
+    // The guards end with this block, before `out` is returned.
+    {
+        let (in_addr, _in_sync) = device_address(logits.0, logits.1, &stream);
+        let (p_addr, _p_sync) = device_address(params.0, params.1, &stream);
+        let (out_addr, _out_sync) = device_address(&out, &Layout::contiguous(2 * rows), &stream);
+        let Ok(vocab_i) = i64::try_from(vocab) else {
+            bail!("{op}: a vocabulary of {vocab} does not fit 64-bit offsets");
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (grid(op, rows)?, 1, 1),
+            block_dim: (SAMPLE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&func);
+        b.arg(&in_addr);
+        b.arg(&p_addr);
+        b.arg(&out_addr);
+        b.arg(&vocab_i);
+        // SAFETY: `logits` holds rows * vocab f32 values, `params` rows *
+        // SAMPLE_PARAM_WORDS u32 and `out` 2 * rows u32 (checked above and by
+        // the op); the guards keep them alive and ordered past the launch.
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok(out)

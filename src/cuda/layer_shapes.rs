@@ -12,6 +12,13 @@ pub(crate) const ACT_THREADS: u32 = 256;
 /// Threads of a greedy-token program (one per row of logits).
 pub(crate) const GREEDY_THREADS: u32 = 512;
 
+/// Threads of a sampling program (one per row of logits).
+pub(crate) const SAMPLE_THREADS: u32 = 1024;
+
+/// u32 words of one row's sampling parameters (kernels/layer_ops.cu,
+/// `sample_rows_f32`).
+pub(crate) const SAMPLE_PARAM_WORDS: usize = 8;
+
 /// Threads of a skinny-matmul program.
 pub(crate) const SKINNY_THREADS: u32 = 128;
 

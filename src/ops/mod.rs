@@ -14,6 +14,7 @@ pub(crate) mod linear;
 pub(crate) mod paged_attention;
 pub(crate) mod reshape_and_cache;
 pub(crate) mod rotary_cache;
+pub(crate) mod sample;
 
 use candle_core::Tensor;
 
