@@ -118,6 +118,16 @@ pub struct Args {
     /// Sample among the k most likely tokens only (with a temperature).
     #[arg(long)]
     top_k: Option<usize>,
+    /// Keep only tokens at least this fraction as likely as the most likely
+    /// one (with a temperature), in [0, 1].
+    #[arg(long)]
+    min_p: Option<f64>,
+    /// Subtracted from a token's logit per time it was generated before.
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Subtracted from the logit of every token generated before.
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
     /// Penalty of the tokens among the last --repeat-last-n ones (prompt
     /// included): positive logits are divided by it, negative ones
     /// multiplied; 1 is off. Applies to greedy decoding too.
@@ -423,6 +433,14 @@ fn check_flags(args: &Args, num_prompts: usize) -> Result<()> {
         ..SamplingParams::greedy(1)
     };
     penalty.validate().context("--repeat-penalty")?;
+    let rest = SamplingParams {
+        min_p: args.min_p,
+        frequency_penalty: args.frequency_penalty,
+        presence_penalty: args.presence_penalty,
+        ..SamplingParams::greedy(1)
+    };
+    rest.validate()
+        .context("--min-p, --frequency-penalty or --presence-penalty")?;
     kv_cache_dtype(&args.kv_cache_dtype)?;
     if let Some(p) = &args.chat_template {
         // Read and compiled now (with empty BOS and EOS texts), so that a
@@ -591,8 +609,11 @@ pub fn run(args: Args, out: &mut dyn Write) -> Result<()> {
                             temperature: args.temperature,
                             top_k: args.top_k,
                             top_p: args.top_p,
+                            min_p: args.min_p,
                             repeat_penalty: args.repeat_penalty,
                             repeat_last_n: args.repeat_last_n,
+                            frequency_penalty: args.frequency_penalty,
+                            presence_penalty: args.presence_penalty,
                             // check_flags made sure seed + i fits.
                             seed: args.seed.wrapping_add(i as u64),
                             max_tokens: args.max_tokens,

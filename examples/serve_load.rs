@@ -313,6 +313,7 @@ fn spec(
         same_prompt: false,
         shared_prefix: 0,
         seed: seed ^ args.seed,
+        draw: None,
     })
 }
 
@@ -514,6 +515,7 @@ fn main() -> Result<()> {
                 prompt: warmup.clone(),
                 max_tokens: 2,
                 arrival: Duration::ZERO,
+                draw: None,
             },
             leave_after: None,
         };

@@ -130,7 +130,7 @@ use serde_json::json;
 
 use reference::{DenseRef, QuantizedGemma3Ref, QuantizedRef, Reference};
 use stats::RunStats;
-use workload::{Dist, LenDist, WorkloadSpec};
+use workload::{Dist, Draw, LenDist, WorkloadSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ModelKind {
@@ -200,6 +200,13 @@ struct Args {
     /// Seed of lengths, prompt tokens, arrivals and random weights.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Sample every request at this temperature (request i with seed i;
+    /// needs --no-reference); 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Nucleus threshold of sampled requests.
+    #[arg(long)]
+    top_p: Option<f64>,
 
     /// Tokens per cache block.
     #[arg(long, default_value_t = 16)]
@@ -541,6 +548,21 @@ fn main() -> Result<()> {
     {
         bail!("--copy-bandwidth-gbs must be finite and positive, got {gbs}");
     }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        bail!(
+            "--temperature must be finite and at least 0, got {}",
+            args.temperature
+        );
+    }
+    if args.temperature > 0.0 && !args.no_reference {
+        bail!(
+            "--temperature {} samples; the dense reference is greedy only: add --no-reference",
+            args.temperature
+        );
+    }
+    if args.top_p.is_some() && args.temperature == 0.0 {
+        bail!("--top-p needs a --temperature above 0");
+    }
     if args.dequantize {
         // candle's QMatMul reads this on first use: candle-transformers'
         // quantized_llama then holds f32 weights like our dequantized model.
@@ -580,6 +602,10 @@ fn main() -> Result<()> {
         same_prompt: args.same_prompt,
         shared_prefix: args.shared_prefix,
         seed: args.seed,
+        draw: (args.temperature > 0.0).then_some(Draw {
+            temperature: args.temperature,
+            top_p: args.top_p,
+        }),
     };
     let longest = spec.prompt.max() + spec.output.max();
     if longest > loaded.max_context {
@@ -722,9 +748,17 @@ fn main() -> Result<()> {
     let floor_s = bandwidth_gbs.map(|gbs| loaded.step_weight_bytes as f64 / (gbs * 1e9));
     println!("\n## Throughput: {}\n", loaded.description);
     println!(
-        "{} requests; prompt {prompt_desc}; output {output_desc}; arrivals {arrivals}; seed {}; greedy, no stop tokens.\n",
+        "{} requests; prompt {prompt_desc}; output {output_desc}; arrivals {arrivals}; seed {}; {}, no stop tokens.\n",
         work.len(),
-        args.seed
+        args.seed,
+        match work.first().and_then(|w| w.draw) {
+            None => "greedy".to_string(),
+            Some(d) => format!(
+                "sampled at temperature {}{}",
+                d.temperature,
+                d.top_p.map_or(String::new(), |p| format!(", top-p {p}"))
+            ),
+        }
     );
     print!("{}", stats::table(&engine.stats, &refs));
     println!(

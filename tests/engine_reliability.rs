@@ -440,7 +440,7 @@ fn non_finite_logits_end_their_request_with_an_error_and_the_others_finish() -> 
         .map(|c| c.error().unwrap_or("no error"))
         .collect();
     ensure!(
-        msgs[0] == "engine: request 5: the model gave non-finite logits (NaN or infinity) for its next token; greedy decoding cannot pick one"
+        msgs[0] == "engine: request 5: the model gave non-finite logits (NaN or infinity) for its next token; no token can be picked"
             && msgs[1].starts_with("engine: request 6: sampling its next token failed: sampling: non-finite logits: token 0 of 32 has logit NaN"),
         "{msgs:?}"
     );

@@ -163,3 +163,110 @@ fn invalid_top_k_and_repeat_penalty_are_refused_by_add_request() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn frequency_and_presence_penalties_count_the_generated_tokens_only() -> Result<()> {
+    let model = FixedLogits::new()?;
+    let cache = PagedKvCache::new(
+        &model.attention_layers(),
+        CacheConfig::new(64),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let mut engine = Engine::new(&model, cache, SchedulerConfig::default())?;
+    // 2 per earlier occurrence: 0 (32), 1 (31 > 30), 0 (30 = token 2's 30,
+    // lowest index), 2, 1 (29 = token 3's, lowest index), 3.
+    engine.add_request(request(
+        0,
+        vec![1, 1, 1],
+        SamplingParams {
+            frequency_penalty: 2.0,
+            ..SamplingParams::greedy(6)
+        },
+    ))?;
+    // 5 for any earlier occurrence: a new token each time, until token 0
+    // (32 - 5) ties token 5 (27) and wins on its index.
+    engine.add_request(request(
+        1,
+        vec![0],
+        SamplingParams {
+            presence_penalty: 5.0,
+            ..SamplingParams::greedy(6)
+        },
+    ))?;
+    let mut done = engine.run(|_| {})?;
+    done.sort_by_key(|c| c.id);
+    let tokens: Vec<Vec<u32>> = done.iter().map(|c| c.tokens.clone()).collect();
+    ensure!(
+        tokens == [vec![0, 1, 0, 2, 1, 3], vec![0, 1, 2, 3, 4, 0]],
+        "{tokens:?}"
+    );
+    Ok(())
+}
+
+/// Runs `requests` to completion on a fresh engine; the tokens by id.
+fn run_all(requests: Vec<Request>) -> Result<Vec<(u64, Vec<u32>)>> {
+    let model = FixedLogits::new()?;
+    let cache = PagedKvCache::new(
+        &model.attention_layers(),
+        CacheConfig::new(64),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let mut engine = Engine::new(&model, cache, SchedulerConfig::default())?;
+    for r in requests {
+        engine.add_request(r)?;
+    }
+    let mut done: Vec<(u64, Vec<u32>)> = engine
+        .run(|_| {})?
+        .into_iter()
+        .map(|c| (c.id, c.tokens))
+        .collect();
+    done.sort_by_key(|c| c.0);
+    Ok(done)
+}
+
+#[test]
+fn a_seeded_draw_is_the_same_alone_or_in_a_batch_and_seeds_differ() -> Result<()> {
+    let sampled = |seed| SamplingParams {
+        temperature: 2.0,
+        top_p: Some(0.95),
+        seed,
+        ..SamplingParams::greedy(24)
+    };
+    let alone = run_all(vec![request(3, vec![4, 5], sampled(11))])?;
+    let batch = run_all(vec![
+        request(1, vec![9], sampled(12)),
+        request(2, vec![1, 2, 3], SamplingParams::greedy(10)),
+        request(3, vec![4, 5], sampled(11)),
+        request(4, vec![7], sampled(11)),
+    ])?;
+    ensure!(alone[0] == batch[2], "{alone:?} vs {batch:?}");
+    // The draw depends on the seed and the position, not on the prompt: the
+    // same seed gives the same tokens; another seed others.
+    ensure!(batch[2].1 == batch[3].1, "{batch:?}");
+    ensure!(batch[0].1 != batch[2].1, "{batch:?}");
+    // At temperature 2 over 32 tokens, 24 draws are not all the argmax.
+    ensure!(batch[2].1.iter().any(|&t| t != 0), "{batch:?}");
+    Ok(())
+}
+
+#[test]
+fn min_p_keeps_only_tokens_near_the_most_likely_one() -> Result<()> {
+    // min_p = e^-1.5: at temperature 1 the kept tokens are within 1.5 of
+    // the largest logit (32, 31: 30 is 2 below); both appear over 40 draws.
+    let done = run_all(vec![request(
+        0,
+        vec![3],
+        SamplingParams {
+            temperature: 1.0,
+            min_p: Some((-1.5f64).exp()),
+            seed: 5,
+            ..SamplingParams::greedy(40)
+        },
+    )])?;
+    let tokens = &done[0].1;
+    ensure!(tokens.iter().all(|&t| t <= 1), "{tokens:?}");
+    ensure!(tokens.contains(&0) && tokens.contains(&1), "{tokens:?}");
+    Ok(())
+}

@@ -1,8 +1,8 @@
 //! The device sampler (`sample_rows` on CUDA) against its host reference
 //! (`sample_row`): the same token for the same seed and step, and draws
 //! that follow the kept distribution (chi-square). GPU only: without the
-//! `cuda` feature this binary is empty.
-#![cfg(feature = "cuda")]
+//! `cuda` and `engine` features this binary is empty.
+#![cfg(all(feature = "cuda", feature = "engine"))]
 
 #[macro_use]
 mod common;
@@ -92,6 +92,56 @@ cuda_test! {
         let bad = Tensor::new(bad, dev)?.unsqueeze(0)?;
         let got = sample_rows(&bad, &[base])?.to_vec2::<u32>()?;
         ensure!(got[0] == [0, 0], "a NaN row gives {:?}", got[0]);
+        Ok(())
+    }
+}
+
+cuda_test! {
+    /// The engine's per-sequence sampler picks the same token from logits
+    /// on the device as from the same logits on the host: greedy, greedy
+    /// with repeat, frequency and presence penalties (a gather and scatter
+    /// on the device), and draws with every cut and penalty.
+    fn sampler_on_the_device_equals_the_host(dev: &Device) -> Result<()> {
+        use candle_paged_attention::engine::{Sampler, SamplingParams};
+        // The engine's picking kernels are opt-in until they have run on a GPU.
+        std::env::set_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING", "1");
+        let vocab = 32_000;
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 797) % vocab as u32).collect();
+        let kinds = [
+            SamplingParams::greedy(1),
+            SamplingParams { repeat_penalty: 1.3, repeat_last_n: 16, ..SamplingParams::greedy(1) },
+            SamplingParams { frequency_penalty: 0.7, presence_penalty: 0.4, ..SamplingParams::greedy(1) },
+            SamplingParams { temperature: 0.8, top_p: Some(0.95), seed: 3, ..SamplingParams::greedy(1) },
+            SamplingParams {
+                temperature: 1.1,
+                top_k: Some(40),
+                min_p: Some(0.01),
+                repeat_penalty: 1.2,
+                frequency_penalty: -0.5,
+                seed: 4,
+                ..SamplingParams::greedy(1)
+            },
+        ];
+        let (mut same, mut all) = (0, 0);
+        for trial in 0..20u32 {
+            let logits = Tensor::randn(0f32, 4., vocab, &Device::Cpu)?;
+            let on_dev = logits.to_device(dev)?;
+            // Generated tokens that the penalties see: some from the prompt,
+            // one repeated, and the current argmax.
+            let top = logits.argmax(0)?.to_scalar::<u32>()?;
+            let generated = [prompt[3], top, top, trial];
+            for p in &kinds {
+                let s = Sampler::new(p);
+                let host = s.sample(&logits, &prompt, &generated)?;
+                let device = s.sample(&on_dev, &prompt, &generated)?;
+                same += usize::from(host == device);
+                all += 1;
+                if p.temperature == 0.0 {
+                    ensure!(host == device, "{p:?}: greedy {host} on the host, {device} on the device");
+                }
+            }
+        }
+        ensure!(same * 100 >= all * 99, "{same} of {all} tokens equal the host's");
         Ok(())
     }
 }

@@ -18,7 +18,7 @@ use candle_paged_attention::engine::{Engine, EngineStats, Request, SamplingParam
 use candle_paged_attention::models::{PagedKvCache, PagedModel};
 
 use super::stats::{RunStats, Timeline};
-use super::workload::WorkItem;
+use super::workload::{Draw, WorkItem};
 
 /// What the paged run produced besides its timeline.
 pub struct EngineRun {
@@ -35,7 +35,7 @@ pub struct EngineRun {
 /// does not pay for first-use initialisation (kernel loading, allocator
 /// growth).
 fn warm_up<M: PagedModel + ?Sized>(engine: &mut Engine<'_, M>, prompt: &[u32]) -> Result<()> {
-    engine.add_request(request(u64::MAX, prompt.to_vec(), 2))?;
+    engine.add_request(request(u64::MAX, prompt.to_vec(), 2, None))?;
     while engine.has_work() {
         engine.step()?;
     }
@@ -43,13 +43,19 @@ fn warm_up<M: PagedModel + ?Sized>(engine: &mut Engine<'_, M>, prompt: &[u32]) -
     Ok(())
 }
 
-fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request {
-        id,
-        prompt,
-        // Greedy, no stop token: every request produces exactly max_tokens.
-        params: SamplingParams::greedy(max_tokens),
-    }
+fn request(id: u64, prompt: Vec<u32>, max_tokens: usize, draw: Option<Draw>) -> Request {
+    // No stop token: every request produces exactly max_tokens.
+    let greedy = SamplingParams::greedy(max_tokens);
+    let params = match draw {
+        None => greedy,
+        Some(d) => SamplingParams {
+            temperature: d.temperature,
+            top_p: d.top_p,
+            seed: id,
+            ..greedy
+        },
+    };
+    Request { id, prompt, params }
 }
 
 /// Builds an engine over `model` and `cache` (decode steps replaying CUDA
@@ -142,7 +148,7 @@ pub fn run_on(
         }
         while next < work.len() && work[next].arrival <= now && next - finished < in_flight_limit {
             let w = &work[next];
-            engine.add_request(request(next as u64, w.prompt.clone(), w.max_tokens))?;
+            engine.add_request(request(next as u64, w.prompt.clone(), w.max_tokens, w.draw))?;
             // A closed loop's request is sent when its client is free.
             let sent = if max_in_flight.is_some() {
                 now.max(w.arrival)

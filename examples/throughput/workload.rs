@@ -111,6 +111,15 @@ pub struct WorkloadSpec {
     /// The first `shared_prefix` tokens of every prompt are the same.
     pub shared_prefix: usize,
     pub seed: u64,
+    /// How every request picks its tokens: `None` is greedy.
+    pub draw: Option<Draw>,
+}
+
+/// A sampled request's draw (its seed is its index).
+#[derive(Clone, Copy, Debug)]
+pub struct Draw {
+    pub temperature: f64,
+    pub top_p: Option<f64>,
 }
 
 /// One request.
@@ -120,6 +129,8 @@ pub struct WorkItem {
     pub max_tokens: usize,
     /// When it arrives, from the start of the run.
     pub arrival: Duration,
+    /// How it picks its tokens: `None` is greedy.
+    pub draw: Option<Draw>,
 }
 
 /// The requests of `spec`, prompt tokens drawn uniformly from `pool`.
@@ -174,6 +185,7 @@ pub fn build(spec: &WorkloadSpec, pool: &[u32]) -> Result<Vec<WorkItem>> {
             prompt,
             max_tokens,
             arrival: Duration::from_secs_f64(t),
+            draw: spec.draw,
         });
     }
     Ok(items)

@@ -75,6 +75,7 @@ mod buckets;
 mod builder;
 #[cfg(feature = "cuda")]
 mod graphs;
+mod pick;
 mod profile;
 mod request;
 mod runner;
@@ -100,6 +101,7 @@ use crate::cache::{BlockManager, ScheduledBatch};
 use crate::models::{PagedKvCache, PagedModel};
 use request::Sequence;
 use runner::{ModelRunner, StepLogits};
+use sampling::RowPick;
 use scheduler::Scheduler;
 
 const OP: &str = "engine";
@@ -434,15 +436,19 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         let ready: Vec<usize> = (0..batch.seq_ids.len())
             .filter(|&i| batch.ready[i])
             .collect();
-        let greedy: Vec<bool> = ready
+        let picks: Vec<RowPick> = ready
             .iter()
             .map(|&i| {
-                self.scheduler
-                    .running(batch.seq_ids[i])
-                    .is_none_or(|s| s.sampler.is_greedy())
+                self.scheduler.running(batch.seq_ids[i]).map_or(
+                    RowPick {
+                        penalties: Vec::new(),
+                        draw: None,
+                    },
+                    |s| s.sampler.row_pick(&s.request.prompt, &s.generated),
+                )
             })
             .collect();
-        let logits = match self.runner.forward(&self.manager, &batch, &ready, &greedy) {
+        let logits = match self.runner.forward(&self.manager, &batch, &ready, &picks) {
             Ok(l) => l,
             Err(e) => {
                 let (seqs, tokens) = (batch.seq_ids.len(), batch.token_ids.len());
@@ -510,27 +516,15 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             else {
                 bail!("{OP}: scheduled sequence {id} is not running");
             };
-            if logits.non_finite.get(r).copied().unwrap_or(false) {
+            let Some(&picked) = logits.tokens.get(r) else {
+                bail!("{OP}: no token was picked for request {id}");
+            };
+            let Some(token) = picked else {
                 let why = format!(
-                    "{OP}: request {id}: the model gave non-finite logits (NaN or infinity) for its next token; greedy decoding cannot pick one"
+                    "{OP}: request {id}: the model gave non-finite logits (NaN or infinity) for its next token; no token can be picked"
                 );
                 finished.push((id, FinishReason::Error(why)));
                 continue;
-            }
-            let token = match (&logits.sampled[r], logits.argmax.get(r).copied().flatten()) {
-                (Some(row), _) => {
-                    match seq.sampler.sample(row, &seq.request.prompt, &seq.generated) {
-                        Ok(t) => t,
-                        Err(e) => {
-                            let why =
-                                format!("{OP}: request {id}: sampling its next token failed: {e}");
-                            finished.push((id, FinishReason::Error(why)));
-                            continue;
-                        }
-                    }
-                }
-                (None, Some(t)) => t,
-                (None, None) => bail!("{OP}: no logits were read for request {id}"),
             };
             seq.generated.push(token);
             seq.first_token.get_or_insert_with(|| seq.arrival.elapsed());

@@ -1,69 +1,31 @@
 //! The engine's model runner: turns a step's scheduled work into the
 //! batch's metadata and device tensors, runs the model (eagerly, or by
 //! replaying a CUDA graph of a pure-decode step) and reads back what
-//! sampling needs (the greedy rows' argmax and finiteness in one copy, the
-//! other rows' logits on the host).
+//! each row's token (picked on the logits' device, [`super::pick`]).
 
 #[cfg(feature = "cuda")]
 use std::cell::RefCell;
 
 #[cfg(feature = "cuda")]
 use candle_core::Error;
-use candle_core::{bail, DType, Device, Result, Tensor, D};
+use candle_core::{bail, Device, Result, Tensor};
 
 use super::buckets::decode_split_plan_keys;
 #[cfg(feature = "cuda")]
 use super::graphs::DecodeGraphs;
+use super::pick::pick_tokens;
+use super::sampling::RowPick;
 use super::scheduler::SchedulerConfig;
 use super::OP;
 use crate::cache::{BlockManager, ScheduledBatch, Work};
 use crate::models::{PagedKvCache, PagedModel};
 use crate::GraphMode;
 
-/// What a successful forward pass hands to the sampling of a step.
+/// What a successful forward pass hands to the update of a step: the token
+/// of each logit row, or `None` for a row whose logits (after its
+/// penalties) hold a NaN or an infinity.
 pub(super) struct StepLogits {
-    /// The argmax of the logit row of each sequence whose sampler takes the
-    /// plain argmax (greedy, no repeat penalty), by logit row.
-    pub(super) argmax: Vec<Option<u32>>,
-    /// True for a greedy row holding a NaN or infinite logit (its argmax
-    /// means nothing), by logit row.
-    pub(super) non_finite: Vec<bool>,
-    /// The logit rows of the other sequences (sampled, or penalised), on the host,
-    /// by logit row.
-    pub(super) sampled: Vec<Option<Tensor>>,
-}
-
-/// Rows `idx` of `(rows, vocab)` `logits`: a view of all of them when `idx`
-/// lists every row in order, else one gather on the logits' device.
-fn pick_rows(logits: &Tensor, idx: &[usize]) -> Result<Tensor> {
-    if idx.iter().copied().eq(0..logits.dim(0)?) {
-        return Ok(logits.clone());
-    }
-    let ids: Vec<u32> = idx.iter().map(|&r| r as u32).collect();
-    logits.index_select(&Tensor::new(ids, logits.device())?, 0)
-}
-
-/// The argmax of each row of `(rows, vocab)` `logits` and whether the row is
-/// finite (no NaN, no infinity), computed on the logits' device and read back
-/// in one copy of `2 * rows` integers.
-fn greedy_argmax(logits: &Tensor) -> Result<(Vec<u32>, Vec<bool>)> {
-    if logits.device().is_cuda() && logits.dtype() == DType::F32 {
-        // One kernel and one read of the logits for both answers.
-        let pairs = crate::ops::greedy::greedy_tokens(logits)?.to_vec2::<u32>()?;
-        return Ok(pairs.iter().map(|p| (p[0], p[1] == 1)).unzip());
-    }
-    let n = logits.dim(0)?;
-    let tokens = logits.argmax(D::Minus1)?;
-    // x - x is 0 for a finite logit and NaN for NaN or +-inf, so a row sums
-    // to exactly 0 when every logit is finite, and to NaN otherwise.
-    let finite = logits
-        .sub(logits)?
-        .sum(D::Minus1)?
-        .eq(0f64)?
-        .to_dtype(DType::U32)?;
-    let both: Vec<u32> = Tensor::cat(&[&tokens, &finite], 0)?.to_vec1()?;
-    let (tokens, finite) = both.split_at(n);
-    Ok((tokens.to_vec(), finite.iter().map(|&f| f == 1).collect()))
+    pub(super) tokens: Vec<Option<u32>>,
 }
 
 /// Runs the steps of an engine on its model and caches, and owns its CUDA
@@ -220,14 +182,14 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
     /// that can fail for a reason no request owns, with nothing changed.
     ///
     /// `ready` lists the batch's sequences (by index) whose logits are
-    /// wanted; `greedy[r]` says whether the sequence `ready[r]` takes the
-    /// plain argmax.
+    /// wanted; `picks[r]` says how the sequence `ready[r]` picks its token
+    /// (on the logits' device).
     pub(super) fn forward(
         &self,
         manager: &BlockManager,
         batch: &ScheduledBatch,
         ready: &[usize],
-        greedy: &[bool],
+        picks: &[RowPick],
     ) -> Result<StepLogits> {
         let dev = self.model.device();
         let input = || Tensor::new(batch.token_ids.as_slice(), dev);
@@ -236,11 +198,7 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
             // values are stored, no logits are needed (one row is computed).
             self.model
                 .forward(&input()?, &batch.metadata, &self.cache, &[0])?;
-            return Ok(StepLogits {
-                argmax: Vec::new(),
-                non_finite: Vec::new(),
-                sampled: Vec::new(),
-            });
+            return Ok(StepLogits { tokens: Vec::new() });
         }
         let rows: Vec<usize> = ready.iter().map(|&i| batch.last_rows[i]).collect();
         let logits = if batch.metadata.device().is_cpu() && !dev.is_cpu() {
@@ -257,32 +215,8 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
                 rows.len()
             );
         }
-        let (greedy_rows, sampled_rows): (Vec<usize>, Vec<usize>) =
-            (0..rows.len()).partition(|&r| greedy[r]);
-        // Greedy rows take their argmax on the logits' device in one pass
-        // and one copy, instead of one copy of a vocabulary row per sequence;
-        // the copy also carries a finiteness flag per row.
-        let mut argmax = vec![None; rows.len()];
-        let mut non_finite = vec![false; rows.len()];
-        if !greedy_rows.is_empty() {
-            let (tokens, finite) = greedy_argmax(&pick_rows(&logits, &greedy_rows)?)?;
-            for ((&r, t), ok) in greedy_rows.iter().zip(tokens).zip(finite) {
-                argmax[r] = Some(t);
-                non_finite[r] = !ok;
-            }
-        }
-        // Sampled rows come to the host in one copy, without the greedy ones.
-        let mut sampled = vec![None; rows.len()];
-        if !sampled_rows.is_empty() {
-            let host = pick_rows(&logits, &sampled_rows)?.to_device(&Device::Cpu)?;
-            for (j, &r) in sampled_rows.iter().enumerate() {
-                sampled[r] = Some(host.get(j)?);
-            }
-        }
         Ok(StepLogits {
-            argmax,
-            non_finite,
-            sampled,
+            tokens: pick_tokens(&logits, picks)?,
         })
     }
 
@@ -345,45 +279,6 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
             self.model.forward(&input, &padding, &self.cache, &rows)?;
         }
         self.graph_scratch_sized.set(true);
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn greedy_argmax_flags_non_finite_rows_and_keeps_the_tokens_of_finite_ones() -> Result<()> {
-        let (nan, inf) = (f32::NAN, f32::INFINITY);
-        let rows: [[f32; 5]; 6] = [
-            [0.0, 1.0, 3.0, -2.0, 2.5],
-            [nan; 5],
-            [1.0, 2.0, nan, 0.0, 0.0],
-            [1.0, inf, 2.0, 0.0, 0.0],
-            [-inf, 1.0, 2.0, 0.0, 0.0],
-            // Large finite logits: x - x is still exactly 0.
-            [1e38, -1e38, 0.0, 0.0, 1.0],
-        ];
-        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            let logits = Tensor::from_vec(flat.clone(), (6, 5), &Device::Cpu)?.to_dtype(dtype)?;
-            let (tokens, finite) = greedy_argmax(&logits)?;
-            // 1e38 is infinite in f16: that row is flagged there.
-            let last = dtype != DType::F16;
-            assert_eq!(
-                finite,
-                [true, false, false, false, false, last],
-                "{dtype:?}"
-            );
-            // The argmax of the finite rows is candle's, unchanged.
-            let want: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
-            assert_eq!(tokens, want, "{dtype:?}");
-            assert_eq!((tokens[0], tokens[5]), (2, 0), "{dtype:?}");
-            // A gather of some rows, as for a batch of greedy and sampled rows.
-            let (tokens, finite) = greedy_argmax(&pick_rows(&logits, &[3, 0])?)?;
-            assert_eq!((tokens[1], finite), (2, vec![false, true]), "{dtype:?}");
-        }
         Ok(())
     }
 }

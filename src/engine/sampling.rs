@@ -1,28 +1,41 @@
-//! Next-token sampling: greedy by default, or temperature with optional
-//! top-k and top-p, seeded per sequence, after an optional repeat penalty
-//! (candle-transformers' `LogitsProcessor` and `utils::apply_repeat_penalty`).
+//! How a sequence picks its next token: greedy by default, or a draw at a
+//! temperature with optional top-k, top-p and min-p cuts, seeded per
+//! request; after optional repeat, frequency and presence penalties.
+//!
+//! A draw follows [`crate::ops::sample`]'s definition (a counter-based
+//! random stream keyed by the request's seed and counted by its output token
+//! index), so the same request gives the same tokens on the CPU and on a
+//! GPU, whatever else shares its batches, and a rolled-back step draws the
+//! same token again. The engine picks a whole batch's tokens on the logits'
+//! device ([`super::pick`]); [`Sampler::sample`] picks one row the same way.
+
+use std::collections::BTreeMap;
 
 use candle_core::{bail, DType, Result, Tensor};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
-use candle_transformers::utils::apply_repeat_penalty;
+
+use crate::ops::sample::RowSampling;
 
 /// How one sequence picks its tokens and when it stops.
 ///
-/// * `temperature` - finite; below `1e-7` (0 included) is greedy (argmax),
-///   as in candle-transformers' `LogitsProcessor`.
+/// * `temperature` - finite; below `1e-7` (0 included) is greedy (argmax).
 /// * `top_k` - with a temperature, sample among the `k >= 1` most likely
-///   tokens only (then `top_p` within them, when both are given); ignored
-///   when greedy.
-/// * `top_p` - nucleus sampling threshold in `(0, 1]` (with a temperature);
-///   it is applied in f32, so it must be at least `f32::MIN_POSITIVE`
-///   (about `1.2e-38`), below which it would round to 0 and keep no token.
+///   tokens only (every token tied with the k-th is kept too); ignored when
+///   greedy.
+/// * `top_p` - nucleus sampling threshold in `(0, 1]` (with a temperature),
+///   applied after top-k; it is applied in f32, so it must be at least
+///   `f32::MIN_POSITIVE` (about `1.2e-38`).
+/// * `min_p` - with a temperature, keep only the tokens at least `min_p`
+///   times as likely as the most likely one, in `[0, 1]` (applied first).
 /// * `repeat_penalty` - finite and positive; 1 is off. The logits of the
 ///   tokens among the last `repeat_last_n` tokens of the sequence (prompt
-///   and generated tokens) are divided by it where positive and multiplied
-///   by it where negative, before the token is picked, greedy or sampled
-///   (a greedy sequence with a penalty takes the host path of sampled ones).
-/// * `repeat_last_n` - how many of the latest tokens the penalty looks at
-///   (0: none, the penalty is off).
+///   and generated tokens) are divided by it where `>= 0` and multiplied by
+///   it where negative (candle-transformers' `apply_repeat_penalty`).
+/// * `repeat_last_n` - how many of the latest tokens the repeat penalty
+///   looks at (0: none, the penalty is off).
+/// * `frequency_penalty`, `presence_penalty` - finite; 0 is off. A token
+///   generated `c > 0` times so far (the prompt does not count) loses
+///   `frequency_penalty * c + presence_penalty` from its logit, after the
+///   repeat penalty (OpenAI's and vLLM's definition).
 /// * `seed` - the sequence's random seed.
 /// * `max_tokens` - new tokens to generate at most.
 /// * `stop_tokens` - generation stops after any of these (it is kept in the output).
@@ -34,10 +47,16 @@ pub struct SamplingParams {
     pub top_k: Option<usize>,
     /// Nucleus sampling threshold.
     pub top_p: Option<f64>,
+    /// Keep tokens at least this fraction as likely as the most likely one.
+    pub min_p: Option<f64>,
     /// Penalty of recently seen tokens; 1 is off.
     pub repeat_penalty: f32,
     /// Tokens the repeat penalty looks back over.
     pub repeat_last_n: usize,
+    /// Logit subtracted per earlier occurrence in the generated tokens; 0 is off.
+    pub frequency_penalty: f32,
+    /// Logit subtracted from every token generated before; 0 is off.
+    pub presence_penalty: f32,
     /// Random seed.
     pub seed: u64,
     /// Maximum new tokens.
@@ -52,8 +71,11 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: None,
             top_p: None,
+            min_p: None,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: 299_792_458,
             max_tokens: 128,
             stop_tokens: Vec::new(),
@@ -89,12 +111,25 @@ impl SamplingParams {
                 );
             }
         }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                bail!("sampling: min_p must be in [0, 1], got {p}");
+            }
+        }
         if self.top_k == Some(0) {
             bail!("sampling: top_k must be at least 1, got 0");
         }
         let p = self.repeat_penalty;
         if !(p.is_finite() && p > 0.0) {
             bail!("sampling: repeat_penalty must be finite and positive, got {p}");
+        }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !v.is_finite() {
+                bail!("sampling: {name} must be finite, got {v}");
+            }
         }
         if self.max_tokens == 0 {
             bail!("sampling: max_tokens must be at least 1, got 0");
@@ -106,70 +141,121 @@ impl SamplingParams {
 /// Temperatures below this are greedy (candle-transformers' threshold).
 const GREEDY_BELOW: f64 = 1e-7;
 
-/// The sampler of one sequence (candle-transformers' `LogitsProcessor`,
-/// after its `apply_repeat_penalty`).
+/// The penalties of one logit row: `(token, factor, subtract)` per token
+/// they touch, ascending by token. The new logit of `token` is
+/// `(x >= 0 ? x / factor : x * factor) - subtract`.
+pub(crate) type RowPenalties = Vec<(u32, f32, f32)>;
+
+/// What one logit row of a step needs to pick its token: its penalties and
+/// its draw (`None`: the argmax).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct RowPick {
+    pub(crate) penalties: RowPenalties,
+    pub(crate) draw: Option<RowSampling>,
+}
+
+/// The sampler of one sequence: its parameters, ready to give each step's
+/// [`RowPick`].
+#[derive(Clone, Debug)]
 pub struct Sampler {
-    inner: LogitsProcessor,
-    greedy: bool,
+    /// The draw's parameters (step 0); `None` when greedy.
+    draw: Option<RowSampling>,
     repeat_penalty: f32,
     repeat_last_n: usize,
+    frequency_penalty: f32,
+    presence_penalty: f32,
 }
 
 impl Sampler {
     /// A sampler for `params` (greedy when the temperature is below `1e-7`).
     pub fn new(params: &SamplingParams) -> Self {
-        let t = params.temperature;
-        let sampling = match (t >= GREEDY_BELOW, params.top_k, params.top_p) {
-            (false, _, _) => Sampling::ArgMax,
-            (true, None, None) => Sampling::All { temperature: t },
-            (true, Some(k), None) => Sampling::TopK { k, temperature: t },
-            (true, None, Some(p)) => Sampling::TopP { p, temperature: t },
-            (true, Some(k), Some(p)) => Sampling::TopKThenTopP {
-                k,
-                p,
-                temperature: t,
-            },
-        };
+        let draw = (params.temperature >= GREEDY_BELOW).then(|| RowSampling {
+            temperature: params.temperature as f32,
+            top_k: params
+                .top_k
+                .map_or(0, |k| u32::try_from(k).unwrap_or(u32::MAX)),
+            top_p: params.top_p.map_or(1.0, |p| p as f32),
+            min_p: params.min_p.map_or(0.0, |p| p as f32),
+            seed: params.seed,
+            step: 0,
+        });
         Self {
-            inner: LogitsProcessor::from_sampling(params.seed, sampling),
-            greedy: t < GREEDY_BELOW,
+            draw,
             repeat_penalty: params.repeat_penalty,
             repeat_last_n: params.repeat_last_n,
+            frequency_penalty: params.frequency_penalty,
+            presence_penalty: params.presence_penalty,
         }
     }
 
-    /// True when the penalty changes logits: a penalty other than 1 over at
-    /// least one token.
+    /// True when a penalty may change logits.
     fn penalizes(&self) -> bool {
-        self.repeat_penalty != 1.0 && self.repeat_last_n > 0
+        (self.repeat_penalty != 1.0 && self.repeat_last_n > 0)
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
     }
 
     /// True when the sampler takes the plain argmax of the logits
-    /// (temperature below `1e-7` and no repeat penalty), so a batch's greedy
-    /// tokens can be picked on the device in one pass.
+    /// (temperature below `1e-7` and no penalty).
     pub fn is_greedy(&self) -> bool {
-        self.greedy && !self.penalizes()
+        self.draw.is_none() && !self.penalizes()
     }
 
-    /// Picks a token from `logits` `(vocab,)`, penalising the tokens among
-    /// the last `repeat_last_n` of `prompt` followed by `generated`.
+    /// What the next token of a sequence that holds `prompt` followed by
+    /// `generated` needs: the penalties over those tokens, and the draw
+    /// numbered by `generated.len()` (the output token it picks).
+    pub(crate) fn row_pick(&self, prompt: &[u32], generated: &[u32]) -> RowPick {
+        let draw = self.draw.map(|d| RowSampling {
+            step: generated.len() as u64,
+            ..d
+        });
+        if !self.penalizes() {
+            return RowPick {
+                penalties: Vec::new(),
+                draw,
+            };
+        }
+        // token -> (factor, subtract)
+        let mut touched: BTreeMap<u32, (f32, f32)> = BTreeMap::new();
+        if self.repeat_penalty != 1.0 {
+            let total = prompt.len() + generated.len();
+            let recent = prompt
+                .iter()
+                .chain(generated)
+                .skip(total.saturating_sub(self.repeat_last_n));
+            for &t in recent {
+                touched.entry(t).or_insert((1.0, 0.0)).0 = self.repeat_penalty;
+            }
+        }
+        if self.frequency_penalty != 0.0 || self.presence_penalty != 0.0 {
+            let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
+            for &t in generated {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, c) in counts {
+                touched.entry(t).or_insert((1.0, 0.0)).1 =
+                    self.frequency_penalty * c as f32 + self.presence_penalty;
+            }
+        }
+        RowPick {
+            penalties: touched.into_iter().map(|(t, (f, s))| (t, f, s)).collect(),
+            draw,
+        }
+    }
+
+    /// Picks the next token from `logits` `(vocab,)` of a sequence holding
+    /// `prompt` followed by `generated`, as the engine does for a batch.
     ///
     /// Logits with a NaN or an infinity are an error (naming the first
     /// such token and its value), greedy or sampled: no token is picked.
-    pub fn sample(&mut self, logits: &Tensor, prompt: &[u32], generated: &[u32]) -> Result<u32> {
+    pub fn sample(&self, logits: &Tensor, prompt: &[u32], generated: &[u32]) -> Result<u32> {
         check_finite(logits)?;
-        if !self.penalizes() {
-            return self.inner.sample(logits);
+        let rows = logits.to_dtype(DType::F32)?.unsqueeze(0)?;
+        let picked = super::pick::pick_tokens(&rows, &[self.row_pick(prompt, generated)])?;
+        match picked.first() {
+            Some(Some(t)) => Ok(*t),
+            _ => bail!("sampling: the penalised logits are not finite"),
         }
-        let total = prompt.len() + generated.len();
-        let recent: Vec<u32> = prompt
-            .iter()
-            .chain(generated)
-            .skip(total.saturating_sub(self.repeat_last_n))
-            .copied()
-            .collect();
-        let logits = apply_repeat_penalty(logits, self.repeat_penalty, &recent)?;
-        self.inner.sample(&logits)
     }
 }
 
@@ -186,12 +272,6 @@ fn check_finite(logits: &Tensor) -> Result<()> {
         );
     }
     Ok(())
-}
-
-impl std::fmt::Debug for Sampler {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Sampler")
-    }
 }
 
 #[cfg(test)]
@@ -211,8 +291,8 @@ mod tests {
             repeat_last_n: 2,
             ..SamplingParams::greedy(1)
         };
-        let mut s = Sampler::new(&params);
-        // A penalty needs the logits on the host: not the device argmax.
+        let s = Sampler::new(&params);
+        // A penalty changes the logits before the argmax.
         assert!(!s.is_greedy());
         // Token 1 (2.0 -> 0.5) and token 2 (-1.0 -> -4.0) were seen last.
         let l = logits(&[1.0, 2.0, -1.0, 0.8]);
@@ -229,7 +309,7 @@ mod tests {
                 ..params.clone()
             },
         ] {
-            let mut s = Sampler::new(&p);
+            let s = Sampler::new(&p);
             assert!(s.is_greedy());
             assert_eq!(s.sample(&l, &[1], &[2]).unwrap(), 1);
         }
@@ -239,7 +319,7 @@ mod tests {
     fn top_k_keeps_the_k_most_likely_tokens() {
         let l = logits(&[0.0, 3.0, 2.9, -5.0]);
         for seed in 0..20 {
-            let mut one = Sampler::new(&SamplingParams {
+            let one = Sampler::new(&SamplingParams {
                 temperature: 1.0,
                 top_k: Some(1),
                 seed,
@@ -247,7 +327,7 @@ mod tests {
             });
             assert!(!one.is_greedy());
             assert_eq!(one.sample(&l, &[], &[]).unwrap(), 1);
-            let mut two = Sampler::new(&SamplingParams {
+            let two = Sampler::new(&SamplingParams {
                 temperature: 1.0,
                 top_k: Some(2),
                 top_p: Some(0.99),
@@ -257,7 +337,7 @@ mod tests {
             assert!(matches!(two.sample(&l, &[], &[]).unwrap(), 1 | 2));
         }
         // Greedy ignores top-k.
-        let mut g = Sampler::new(&SamplingParams {
+        let g = Sampler::new(&SamplingParams {
             top_k: Some(3),
             ..SamplingParams::greedy(1)
         });
@@ -287,7 +367,7 @@ mod tests {
                 ),
                 ([1.0, 2.0, 0.0, f32::NAN], "token 3 of 4 has logit NaN"),
             ] {
-                let mut s = Sampler::new(&params);
+                let s = Sampler::new(&params);
                 for dtype in [DType::F32, DType::BF16, DType::F16] {
                     let l = logits(&values).to_dtype(dtype).unwrap();
                     let err = s.sample(&l, &[1], &[0]).unwrap_err().to_string();
@@ -331,6 +411,29 @@ mod tests {
                 &format!("sampling: repeat_penalty must be finite and positive, got {bad}"),
             );
         }
+        for bad in [-0.5, 1.5, f64::NAN] {
+            check(
+                SamplingParams {
+                    min_p: Some(bad),
+                    ..Default::default()
+                },
+                &format!("sampling: min_p must be in [0, 1], got {bad}"),
+            );
+        }
+        check(
+            SamplingParams {
+                frequency_penalty: f32::NAN,
+                ..Default::default()
+            },
+            "sampling: frequency_penalty must be finite, got NaN",
+        );
+        check(
+            SamplingParams {
+                presence_penalty: f32::INFINITY,
+                ..Default::default()
+            },
+            "sampling: presence_penalty must be finite, got inf",
+        );
         assert!(SamplingParams {
             top_k: Some(40),
             repeat_penalty: 1.1,

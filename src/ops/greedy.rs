@@ -48,7 +48,7 @@ impl candle_core::CustomOp1 for GreedyTokens {
         };
         let logits = &s.as_slice::<f32>()?[start..end];
         let out: Vec<u32> = if vocab == 0 {
-            vec![0, 1].repeat(rows)
+            [0, 1].repeat(rows)
         } else {
             logits.chunks(vocab).flat_map(greedy_row).collect()
         };

@@ -59,10 +59,13 @@ pub struct SamplingFields {
     pub n: Option<u64>,
     /// Repeat penalty (1 is off).
     pub repetition_penalty: Option<f64>,
-    /// OpenAI's frequency penalty (only 0).
+    /// OpenAI's frequency penalty, in `[-2, 2]` (0 is off).
     pub frequency_penalty: Option<f64>,
-    /// OpenAI's presence penalty (only 0).
+    /// OpenAI's presence penalty, in `[-2, 2]` (0 is off).
     pub presence_penalty: Option<f64>,
+    /// vLLM's extension: keep tokens at least `min_p` times as likely as
+    /// the most likely one, in `[0, 1]` (0 is off).
+    pub min_p: Option<f64>,
     /// Log-probabilities (not supported: only absent, null, false or 0).
     pub logprobs: Option<Value>,
     /// Top log-probabilities (not supported: only absent, null or 0).

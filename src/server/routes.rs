@@ -238,19 +238,24 @@ fn sampling_params(
             return Err(bad("n", format!("n = {n} is not supported (only 1)")));
         }
     }
-    for (name, value) in [
+    let mut penalties = [0f32; 2];
+    for (slot, (name, value)) in penalties.iter_mut().zip([
         ("frequency_penalty", f.frequency_penalty),
         ("presence_penalty", f.presence_penalty),
-    ] {
+    ]) {
         if let Some(v) = value {
-            if v != 0.0 {
-                return Err(bad(
-                    name,
-                    format!("{name} = {v} is not supported (only 0); use repetition_penalty"),
-                ));
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(bad(name, format!("{name} must be in [-2, 2], got {v}")));
             }
+            *slot = v as f32;
         }
     }
+    let [frequency_penalty, presence_penalty] = penalties;
+    let min_p = match f.min_p {
+        None => None,
+        Some(p) if (0.0..=1.0).contains(&p) => (p > 0.0).then_some(p),
+        Some(p) => return Err(bad("min_p", format!("min_p must be in [0, 1], got {p}"))),
+    };
     let truthy = |v: &Option<Value>| match v {
         None | Some(Value::Null) | Some(Value::Bool(false)) => false,
         Some(Value::Number(n)) => n.as_f64() != Some(0.0),
@@ -340,7 +345,10 @@ fn sampling_params(
         temperature,
         top_k,
         top_p,
+        min_p,
         repeat_penalty: repeat_penalty as f32,
+        frequency_penalty,
+        presence_penalty,
         seed,
         max_tokens,
         stop_tokens: if f.ignore_eos == Some(true) {

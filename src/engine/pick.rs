@@ -1,0 +1,286 @@
+//! Picks a step's tokens on the logits' device: the penalties as one
+//! gather and one scatter over the touched logits, the greedy rows' argmax
+//! and finiteness in one kernel, the sampled rows' draws in another
+//! ([`crate::ops::sample`]), and one copy of `2 * rows` integers back.
+//! Nothing the size of a vocabulary row comes to the host.
+//!
+//! On a CUDA device the crate's own picking kernels (`greedy_tokens`,
+//! `sample_rows`) and the device penalties are opt-in for now, with
+//! `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=1`: they have been compiled but
+//! not yet run on a GPU. By default plain greedy rows take candle's argmax
+//! on the device and every other row comes to the host, where the same
+//! definition picks its token (the tokens are the same either way).
+
+use candle_core::{bail, DType, Result, Tensor, D};
+
+use super::sampling::RowPick;
+use super::OP;
+use crate::ops::sample::{sample_rows, RowSampling};
+
+/// Rows `idx` of `(rows, vocab)` `logits`: a view of all of them when `idx`
+/// lists every row in order, else one gather on the logits' device.
+pub(super) fn pick_rows(logits: &Tensor, idx: &[usize]) -> Result<Tensor> {
+    if idx.iter().copied().eq(0..logits.dim(0)?) {
+        return Ok(logits.clone());
+    }
+    let ids: Vec<u32> = idx.iter().map(|&r| r as u32).collect();
+    logits.index_select(&Tensor::new(ids, logits.device())?, 0)
+}
+
+/// Whether CUDA logits are picked by the crate's own kernels (see the
+/// module's documentation): `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=1`.
+fn device_kernels() -> bool {
+    std::env::var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING").is_ok_and(|v| v == "1")
+}
+
+/// `(rows, 2)` u32 of `[argmax, finite]` per row of `(rows, vocab)`
+/// `logits` (finite is 1 when the row holds no NaN and no infinity),
+/// computed on the logits' device.
+pub(super) fn greedy_pairs(logits: &Tensor) -> Result<Tensor> {
+    if logits.device().is_cuda() && logits.dtype() == DType::F32 && device_kernels() {
+        // One kernel and one read of the logits for both answers.
+        return crate::ops::greedy::greedy_tokens(logits);
+    }
+    let tokens = logits.argmax(D::Minus1)?;
+    // x - x is 0 for a finite logit and NaN for NaN or +-inf, so a row sums
+    // to exactly 0 when every logit is finite, and to NaN otherwise.
+    let finite = logits
+        .sub(logits)?
+        .sum(D::Minus1)?
+        .eq(0f64)?
+        .to_dtype(DType::U32)?;
+    Tensor::stack(&[&tokens, &finite], 1)
+}
+
+/// `(rows, vocab)` `logits` with each row's penalties applied (f32; the
+/// logits themselves when no row has one). A penalty's token outside the
+/// vocabulary touches nothing (as in candle-transformers).
+pub(super) fn apply_penalties(logits: &Tensor, picks: &[RowPick]) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    let (mut idx, mut factor, mut subtract) = (Vec::new(), Vec::new(), Vec::new());
+    for (r, pick) in picks.iter().enumerate() {
+        for &(token, f, s) in &pick.penalties {
+            if (token as usize) < vocab {
+                let Ok(i) = u32::try_from(r * vocab + token as usize) else {
+                    bail!("{OP}: a penalty at row {r} of {rows} rows of {vocab} logits does not fit 32-bit indices");
+                };
+                idx.push(i);
+                factor.push(f);
+                subtract.push(s);
+            }
+        }
+    }
+    if idx.is_empty() {
+        return Ok(logits.clone());
+    }
+    let dev = logits.device();
+    let flat = logits.to_dtype(DType::F32)?.flatten_all()?;
+    let idx = Tensor::new(idx, dev)?;
+    let x = flat.index_select(&idx, 0)?;
+    let factor = Tensor::new(factor, dev)?;
+    let y = x
+        .ge(0f64)?
+        .where_cond(&x.div(&factor)?, &x.mul(&factor)?)?
+        .sub(&Tensor::new(subtract, dev)?)?;
+    flat.scatter(&idx, &y, 0)?.reshape((rows, vocab))
+}
+
+/// The token of each row of `(rows, vocab)` `logits` as its [`RowPick`]
+/// says (penalties, then the argmax or a draw), or `None` for a row whose
+/// (penalised) logits hold a NaN or an infinity. Runs on the logits'
+/// device and reads back `2 * rows` integers.
+pub(crate) fn pick_tokens(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Option<u32>>> {
+    let (rows, _) = logits.dims2()?;
+    if rows != picks.len() {
+        bail!(
+            "{OP}: {rows} rows of logits but {} rows to pick",
+            picks.len()
+        );
+    }
+    if logits.device().is_cuda() && !device_kernels() {
+        return pick_on_host(logits, picks);
+    }
+    let logits = apply_penalties(logits, picks)?;
+    let (greedy, drawn): (Vec<usize>, Vec<usize>) =
+        (0..rows).partition(|&r| picks[r].draw.is_none());
+    let mut parts = Vec::with_capacity(2);
+    if !greedy.is_empty() {
+        parts.push(greedy_pairs(&pick_rows(&logits, &greedy)?)?);
+    }
+    if !drawn.is_empty() {
+        let draws: Vec<RowSampling> = drawn.iter().filter_map(|&r| picks[r].draw).collect();
+        let rows = pick_rows(&logits, &drawn)?.to_dtype(DType::F32)?;
+        parts.push(sample_rows(&rows, &draws)?);
+    }
+    if parts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let pairs: Vec<Vec<u32>> = Tensor::cat(&parts, 0)?.to_vec2()?;
+    let mut tokens = vec![None; rows];
+    for (pair, &r) in pairs.iter().zip(greedy.iter().chain(&drawn)) {
+        tokens[r] = (pair[1] == 1).then_some(pair[0]);
+    }
+    Ok(tokens)
+}
+
+/// [`pick_tokens`] of CUDA `logits` without the crate's picking kernels:
+/// the plain greedy rows by candle's argmax on the device, the others (a
+/// penalty or a draw) copied to the host in one copy and picked there.
+fn pick_on_host(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Option<u32>>> {
+    let (plain, other): (Vec<usize>, Vec<usize>) =
+        (0..picks.len()).partition(|&r| picks[r].draw.is_none() && picks[r].penalties.is_empty());
+    let mut tokens = vec![None; picks.len()];
+    if !plain.is_empty() {
+        let pairs: Vec<Vec<u32>> = greedy_pairs(&pick_rows(logits, &plain)?)?.to_vec2()?;
+        for (pair, &r) in pairs.iter().zip(&plain) {
+            tokens[r] = (pair[1] == 1).then_some(pair[0]);
+        }
+    }
+    if !other.is_empty() {
+        let host = pick_rows(logits, &other)?.to_device(&candle_core::Device::Cpu)?;
+        let host_picks: Vec<RowPick> = other.iter().map(|&r| picks[r].clone()).collect();
+        for (t, &r) in pick_tokens(&host, &host_picks)?.into_iter().zip(&other) {
+            tokens[r] = t;
+        }
+    }
+    Ok(tokens)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+    use crate::ops::sample::sample_row;
+
+    #[test]
+    fn greedy_pairs_flag_non_finite_rows_and_keep_the_tokens_of_finite_ones() -> Result<()> {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let rows: [[f32; 5]; 6] = [
+            [0.0, 1.0, 3.0, -2.0, 2.5],
+            [nan; 5],
+            [1.0, 2.0, nan, 0.0, 0.0],
+            [1.0, inf, 2.0, 0.0, 0.0],
+            [-inf, 1.0, 2.0, 0.0, 0.0],
+            // Large finite logits: x - x is still exactly 0.
+            [1e38, -1e38, 0.0, 0.0, 1.0],
+        ];
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let logits = Tensor::from_vec(flat.clone(), (6, 5), &Device::Cpu)?.to_dtype(dtype)?;
+            let pairs: Vec<Vec<u32>> = greedy_pairs(&logits)?.to_vec2()?;
+            let finite: Vec<bool> = pairs.iter().map(|p| p[1] == 1).collect();
+            // 1e38 is infinite in f16: that row is flagged there.
+            let last = dtype != DType::F16;
+            assert_eq!(
+                finite,
+                [true, false, false, false, false, last],
+                "{dtype:?}"
+            );
+            // The argmax of the finite rows is candle's, unchanged.
+            let want: Vec<u32> = logits.argmax(D::Minus1)?.to_vec1()?;
+            let tokens: Vec<u32> = pairs.iter().map(|p| p[0]).collect();
+            assert_eq!(tokens, want, "{dtype:?}");
+            assert_eq!((tokens[0], tokens[5]), (2, 0), "{dtype:?}");
+            // A gather of some rows, as for a batch of greedy and sampled rows.
+            let pairs: Vec<Vec<u32>> = greedy_pairs(&pick_rows(&logits, &[3, 0])?)?.to_vec2()?;
+            assert_eq!(pairs, [[1, 0], [2, 1]], "{dtype:?}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn penalties_match_their_definition_entry_by_entry() -> Result<()> {
+        let rows = [[2.0f32, -1.0, 0.0, 4.0, -0.5], [1.0, 1.0, 1.0, 1.0, 1.0]];
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let logits = Tensor::from_vec(flat, (2, 5), &Device::Cpu)?;
+        let picks = [
+            RowPick {
+                // 2 / 2; -1 * 2 - 0.5; 0 / 2 (zero counts as positive); token 9 is outside.
+                penalties: vec![(0, 2.0, 0.0), (1, 2.0, 0.5), (2, 2.0, 0.0), (9, 3.0, 1.0)],
+                draw: None,
+            },
+            RowPick {
+                penalties: vec![(4, 1.0, 0.25)],
+                draw: None,
+            },
+        ];
+        let got: Vec<Vec<f32>> = apply_penalties(&logits, &picks)?.to_vec2()?;
+        assert_eq!(
+            got,
+            [[1.0, -2.5, 0.0, 4.0, -0.5], [1.0, 1.0, 1.0, 1.0, 0.75]]
+        );
+        // No penalty: the logits themselves.
+        let none = [RowPick {
+            penalties: Vec::new(),
+            draw: None,
+        }];
+        let one = logits.narrow(0, 0, 1)?;
+        assert_eq!(
+            apply_penalties(&one, &none)?.to_vec2::<f32>()?,
+            one.to_vec2::<f32>()?
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_mixed_batch_picks_each_row_as_its_own_pick_says() -> Result<()> {
+        let vocab = 37;
+        let rows: Vec<Vec<f32>> = (0..4)
+            .map(|r| {
+                (0..vocab)
+                    .map(|i| ((i * 7 + r * 3) % 11) as f32 * 0.3)
+                    .collect()
+            })
+            .collect();
+        let mut rows = rows;
+        rows[3][2] = 5.0;
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let logits = Tensor::from_vec(flat, (4, vocab), &Device::Cpu)?;
+        let draw = |seed, step| RowSampling {
+            temperature: 0.7,
+            top_p: 0.9,
+            seed,
+            step,
+            ..Default::default()
+        };
+        let picks = [
+            RowPick {
+                penalties: Vec::new(),
+                draw: Some(draw(5, 3)),
+            },
+            RowPick {
+                penalties: Vec::new(),
+                draw: None,
+            },
+            RowPick {
+                penalties: vec![(2, 1.0, 100.0)],
+                draw: Some(draw(6, 0)),
+            },
+            RowPick {
+                penalties: vec![(2, 1.0, 100.0)],
+                draw: None,
+            },
+        ];
+        let got = pick_tokens(&logits, &picks)?;
+        let argmax = |r: &[f32]| {
+            let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            r.iter().position(|&v| v == m).map(|i| i as u32)
+        };
+        let mut penalised2 = rows[2].clone();
+        penalised2[2] -= 100.0;
+        let mut penalised3 = rows[3].clone();
+        penalised3[2] -= 100.0;
+        let want = [
+            Some(sample_row(&rows[0], &draw(5, 3))?),
+            argmax(&rows[1]),
+            Some(sample_row(&penalised2, &draw(6, 0))?),
+            argmax(&penalised3),
+        ];
+        assert_eq!(got, want);
+        // Token 2 is the argmax of row 3 before its penalty only.
+        assert_eq!(argmax(&rows[3]), Some(2));
+        assert_ne!(got[3], Some(2));
+        Ok(())
+    }
+}
