@@ -417,7 +417,7 @@ fn non_finite_logits_end_their_request_with_an_error_and_the_others_finish() -> 
             }
         }
     }
-    // The greedy and the host messages, in full.
+    // The messages of a greedy and a penalised row, in full.
     let model = MockModel::new(4, None, VOCAB, 64)?;
     model.poison(Poison {
         first_token: 7,
@@ -440,8 +440,8 @@ fn non_finite_logits_end_their_request_with_an_error_and_the_others_finish() -> 
         .map(|c| c.error().unwrap_or("no error"))
         .collect();
     ensure!(
-        msgs[0] == "engine: request 5: the model gave non-finite logits (NaN or infinity) for its next token; no token can be picked"
-            && msgs[1].starts_with("engine: request 6: sampling its next token failed: sampling: non-finite logits: token 0 of 32 has logit NaN"),
+        msgs[0] == "engine: request 5: the model gave non-finite logits (NaN or infinity) for its next token (token 0 of 32 has logit NaN); no token can be picked"
+            && msgs[1] == "engine: request 6: the model gave non-finite logits (NaN or infinity) for its next token (token 0 of 32 has logit NaN); no token can be picked",
         "{msgs:?}"
     );
     ensure!(engine.block_manager().num_free_blocks() == 16);

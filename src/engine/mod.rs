@@ -516,15 +516,16 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             else {
                 bail!("{OP}: scheduled sequence {id} is not running");
             };
-            let Some(&picked) = logits.tokens.get(r) else {
-                bail!("{OP}: no token was picked for request {id}");
-            };
-            let Some(token) = picked else {
-                let why = format!(
-                    "{OP}: request {id}: the model gave non-finite logits (NaN or infinity) for its next token; no token can be picked"
-                );
-                finished.push((id, FinishReason::Error(why)));
-                continue;
+            let token = match logits.tokens.get(r) {
+                Some(Ok(token)) => *token,
+                Some(Err(detail)) => {
+                    let why = format!(
+                        "{OP}: request {id}: the model gave non-finite logits (NaN or infinity) for its next token ({detail}); no token can be picked"
+                    );
+                    finished.push((id, FinishReason::Error(why)));
+                    continue;
+                }
+                None => bail!("{OP}: no token was picked for request {id}"),
             };
             seq.generated.push(token);
             seq.first_token.get_or_insert_with(|| seq.arrival.elapsed());

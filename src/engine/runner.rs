@@ -8,7 +8,7 @@ use std::cell::RefCell;
 
 #[cfg(feature = "cuda")]
 use candle_core::Error;
-use candle_core::{bail, Device, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::buckets::decode_split_plan_keys;
 #[cfg(feature = "cuda")]
@@ -22,10 +22,20 @@ use crate::models::{PagedKvCache, PagedModel};
 use crate::GraphMode;
 
 /// What a successful forward pass hands to the update of a step: the token
-/// of each logit row, or `None` for a row whose logits (after its
-/// penalties) hold a NaN or an infinity.
+/// of each logit row, or for a row whose logits (after its penalties) hold
+/// a NaN or an infinity, what it holds (`"token 3 of 32 has logit NaN"`).
 pub(super) struct StepLogits {
-    pub(super) tokens: Vec<Option<u32>>,
+    pub(super) tokens: Vec<std::result::Result<u32, String>>,
+}
+
+/// The first non-finite logit of row `r` of `(rows, vocab)` `logits`, in
+/// words (one copy of the row: only for a row that picked no token).
+fn non_finite_detail(logits: &Tensor, r: usize) -> Result<String> {
+    let row = logits.get(r)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    Ok(match row.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        Some((t, v)) => format!("token {t} of {} has logit {v}", row.len()),
+        None => "its logits are finite, but not once its penalties are applied".to_string(),
+    })
 }
 
 /// Runs the steps of an engine on its model and caches, and owns its CUDA
@@ -216,7 +226,14 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
             );
         }
         Ok(StepLogits {
-            tokens: pick_tokens(&logits, picks)?,
+            tokens: pick_tokens(&logits, picks)?
+                .into_iter()
+                .enumerate()
+                .map(|(r, t)| match t {
+                    Some(t) => Ok(Ok(t)),
+                    None => non_finite_detail(&logits, r).map(Err),
+                })
+                .collect::<Result<_>>()?,
         })
     }
 
