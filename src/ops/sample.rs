@@ -19,6 +19,7 @@
 //!    Gumbel-max trick), with no sort and no cumulative sum of the draw.
 
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
 
 const OP: &str = "sample";
 
@@ -114,35 +115,55 @@ pub fn uniform(seed: u64, step: u64, index: u32) -> f64 {
     (out[0] as f64 + 0.5) / 4_294_967_296.0
 }
 
+/// Most likely first; equal values in index order.
+fn likelier(s: &[f32], a: usize, b: usize) -> std::cmp::Ordering {
+    s[b].total_cmp(&s[a]).then(a.cmp(&b))
+}
+
 /// The kept tokens of `s` (logits minus their maximum, over the
 /// temperature) under `p`'s filters, as a mask.
+///
+/// Top-p's mass is renormalised by the kept tokens' total (summed in index
+/// order) and accumulated from the most likely token down; only as many of
+/// the likeliest tokens are sorted as the cut needs (chunks growing 4x from
+/// 64), not the whole vocabulary.
 fn kept(s: &[f32], p: &RowSampling, floor: f32) -> Vec<bool> {
-    let mut keep: Vec<bool> = s.iter().map(|&v| v >= floor).collect();
-    let mut order: Vec<usize> = (0..s.len()).filter(|&i| keep[i]).collect();
-    // Most likely first; equal values in index order.
-    order.sort_by(|&a, &b| s[b].total_cmp(&s[a]).then(a.cmp(&b)));
+    let mut order: Vec<usize> = (0..s.len()).filter(|&i| s[i] >= floor).collect();
     if p.top_k > 0 && (p.top_k as usize) < order.len() {
-        let kth = s[order[p.top_k as usize - 1]];
+        let k = p.top_k as usize;
+        order.select_nth_unstable_by(k - 1, |&a, &b| likelier(s, a, b));
+        let kth = s[order[k - 1]];
         order.retain(|&i| s[i] >= kth);
+        order.sort_unstable();
     }
-    if p.top_p < 1.0 {
-        let probs: Vec<f64> = order.iter().map(|&i| (s[i] as f64).exp()).collect();
-        let total: f64 = probs.iter().sum();
+    if p.top_p < 1.0 && order.len() > 1 {
+        let total: f64 = order.iter().map(|&i| (s[i] as f64).exp()).sum();
+        let target = p.top_p as f64;
         let mut mass = 0.0;
-        let mut last = order.len();
-        for (j, q) in probs.iter().enumerate() {
-            mass += q / total;
-            if mass >= p.top_p as f64 {
-                last = j + 1;
-                break;
+        let mut cut = None;
+        let (mut rest, mut chunk) = (order.as_mut_slice(), 64usize);
+        'chunks: while !rest.is_empty() {
+            let m = chunk.min(rest.len());
+            if m < rest.len() {
+                rest.select_nth_unstable_by(m - 1, |&a, &b| likelier(s, a, b));
             }
+            let (head, tail) = rest.split_at_mut(m);
+            head.sort_unstable_by(|&a, &b| likelier(s, a, b));
+            for &i in head.iter() {
+                mass += (s[i] as f64).exp() / total;
+                if mass >= target {
+                    cut = Some(s[i]);
+                    break 'chunks;
+                }
+            }
+            rest = tail;
+            chunk *= 4;
         }
-        if last < order.len() {
-            let cut = s[order[last - 1]];
+        if let Some(cut) = cut {
             order.retain(|&i| s[i] >= cut);
         }
     }
-    keep.iter_mut().for_each(|k| *k = false);
+    let mut keep = vec![false; s.len()];
     for i in order {
         keep[i] = true;
     }
@@ -271,18 +292,21 @@ impl candle_core::CustomOp2 for SampleRows {
         };
         let logits = &l.as_slice::<f32>()?[ls..le];
         let words = &p.as_slice::<u32>()?[ps..pe];
-        let mut out = Vec::with_capacity(2 * rows);
-        for r in 0..rows {
-            let row = &logits[r * vocab..(r + 1) * vocab];
-            let w = &words[r * SAMPLE_PARAM_WORDS..(r + 1) * SAMPLE_PARAM_WORDS];
-            if row.iter().any(|v| !v.is_finite()) {
-                out.extend([0, 0]);
-                continue;
-            }
-            // The floor travels as ln(min_p), computed once on the host.
-            let p = RowSampling::from_words(w);
-            out.extend([sample_with_floor(row, &p, f32::from_bits(w[1]))?, 1]);
-        }
+        // Rows are independent: one rayon task each.
+        let pairs: Vec<[u32; 2]> = (0..rows)
+            .into_par_iter()
+            .map(|r| {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let w = &words[r * SAMPLE_PARAM_WORDS..(r + 1) * SAMPLE_PARAM_WORDS];
+                if row.iter().any(|v| !v.is_finite()) {
+                    return Ok([0, 0]);
+                }
+                // The floor travels as ln(min_p), computed once on the host.
+                let p = RowSampling::from_words(w);
+                Ok([sample_with_floor(row, &p, f32::from_bits(w[1]))?, 1])
+            })
+            .collect::<Result<_>>()?;
+        let out: Vec<u32> = pairs.into_iter().flatten().collect();
         Ok((CpuStorage::U32(out), Shape::from((rows, 2))))
     }
 
@@ -373,6 +397,72 @@ mod tests {
             ),
             [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1]
         );
+    }
+
+    /// `kept` written the plain way: sort everything, cut, cut.
+    fn kept_by_full_sort(s: &[f32], p: &RowSampling, floor: f32) -> Vec<bool> {
+        let mut order: Vec<usize> = (0..s.len()).filter(|&i| s[i] >= floor).collect();
+        let total_of = |order: &[usize]| -> f64 {
+            let mut idx = order.to_vec();
+            idx.sort_unstable();
+            idx.iter().map(|&i| (s[i] as f64).exp()).sum()
+        };
+        order.sort_by(|&a, &b| likelier(s, a, b));
+        if p.top_k > 0 && (p.top_k as usize) < order.len() {
+            let kth = s[order[p.top_k as usize - 1]];
+            order.retain(|&i| s[i] >= kth);
+        }
+        if p.top_p < 1.0 && order.len() > 1 {
+            let total = total_of(&order);
+            let mut mass = 0.0;
+            for j in 0..order.len() {
+                mass += (s[order[j]] as f64).exp() / total;
+                if mass >= p.top_p as f64 {
+                    let cut = s[order[j]];
+                    order.retain(|&i| s[i] >= cut);
+                    break;
+                }
+            }
+        }
+        let mut keep = vec![false; s.len()];
+        for i in order {
+            keep[i] = true;
+        }
+        keep
+    }
+
+    #[test]
+    fn chunked_cuts_equal_a_full_sort() {
+        // Values on a coarse grid (many ties), rows longer than a few chunks.
+        let mut state = 12345u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as u32
+        };
+        for case in 0..300 {
+            let n = [1, 2, 63, 64, 65, 300, 5000][case % 7];
+            let grid = [0.25f32, 1.0, 0.01][case % 3];
+            let raw: Vec<f32> = (0..n).map(|_| (next() % 40) as f32 * -grid).collect();
+            let m = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let s: Vec<f32> = raw.iter().map(|&x| x - m).collect();
+            let p = RowSampling {
+                top_k: [0, 1, 7, 100, 4000][case % 5],
+                top_p: [1.0, 0.5, 0.9, 0.999, 0.01][(case / 5) % 5],
+                ..Default::default()
+            };
+            let floor = if case % 4 == 0 {
+                -3.0
+            } else {
+                f32::NEG_INFINITY
+            };
+            assert_eq!(
+                kept(&s, &p, floor),
+                kept_by_full_sort(&s, &p, floor),
+                "case {case}: n {n}, {p:?}, floor {floor}"
+            );
+        }
     }
 
     #[test]
