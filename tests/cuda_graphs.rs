@@ -34,7 +34,30 @@ use candle_paged_attention::models::{
 use candle_paged_attention::Work;
 use rand::{Rng, SeedableRng};
 
-/// Greedy completions of `prompts` (by request id) and the engine's counters.
+/// How request `i` of `max_tokens` new tokens at most picks its tokens:
+/// greedy, or, when `mixed`, every other request sampled (temperature 0.9,
+/// top-p 0.9, a frequency penalty, seed `i`) and every third greedy with a
+/// repeat penalty.
+fn request_params(i: usize, max_tokens: usize, mixed: bool) -> SamplingParams {
+    let greedy = SamplingParams::greedy(max_tokens - (3 * i) % (max_tokens / 2));
+    match (mixed, i % 2, i % 3) {
+        (true, 1, _) => SamplingParams {
+            temperature: 0.9,
+            top_p: Some(0.9),
+            frequency_penalty: 0.3,
+            seed: i as u64,
+            ..greedy
+        },
+        (true, _, 0) => SamplingParams {
+            repeat_penalty: 1.2,
+            ..greedy
+        },
+        _ => greedy,
+    }
+}
+
+/// Completions of `prompts` (by request id; see [`request_params`]) and
+/// the engine's counters.
 fn run_engine(
     model: &dyn PagedModel,
     prompts: &[Vec<u32>],
@@ -42,6 +65,20 @@ fn run_engine(
     num_blocks: usize,
     graphs: bool,
     precapture: bool,
+) -> Result<(Vec<Vec<u32>>, EngineStats)> {
+    run_engine_with(
+        model, prompts, max_tokens, num_blocks, graphs, precapture, false,
+    )
+}
+
+fn run_engine_with(
+    model: &dyn PagedModel,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    num_blocks: usize,
+    graphs: bool,
+    precapture: bool,
+    mixed: bool,
 ) -> Result<(Vec<Vec<u32>>, EngineStats)> {
     let cache = PagedKvCache::new(
         &model.attention_layers(),
@@ -65,7 +102,7 @@ fn run_engine(
         engine.add_request(Request {
             id: i as u64,
             prompt: p.clone(),
-            params: SamplingParams::greedy(max_tokens - (3 * i) % (max_tokens / 2)),
+            params: request_params(i, max_tokens, mixed),
         })?;
     }
     let mut out = vec![Vec::new(); prompts.len()];
@@ -193,6 +230,30 @@ cuda_test! {
         for (seed, lens) in [(1, vec![37]), (2, vec![5, 600, 90]), (3, vec![12, 700, 33, 64, 3, 250])] {
             let prompts = random_prompts(seed, &lens, cfg.vocab_size);
             same_tokens(&format!("llama {lens:?}"), &model, &prompts, 24, 512, seed == 3)?;
+        }
+        Ok(())
+    }
+}
+
+cuda_test! {
+    /// Sampled and penalised requests beside greedy ones: the same tokens
+    /// eagerly with the host picking them (the default) and through graphs
+    /// with the picking kernels (`CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=1`).
+    fn sampled_tokens_are_the_same_eager_on_the_host_and_replayed_on_the_device(
+        dev: &Device,
+    ) -> Result<()> {
+        let cfg = llama_config(3, 256, 512, (8, 2), 512);
+        let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
+        let prompts = random_prompts(4, &[12, 300, 33, 64, 3, 90], cfg.vocab_size);
+        std::env::remove_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING");
+        let (host, _) = run_engine_with(&model, &prompts, 24, 512, false, false, true)?;
+        std::env::set_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING", "1");
+        let device = run_engine_with(&model, &prompts, 24, 512, true, true, true);
+        std::env::remove_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING");
+        let (device, stats) = device?;
+        ensure!(stats.graph_steps > 0, "no step replayed a graph: {stats:?}");
+        for (i, (h, d)) in host.iter().zip(&device).enumerate() {
+            ensure!(h == d, "request {i} ({:?}): host {h:?}, device {d:?}", request_params(i, 24, true));
         }
         Ok(())
     }
