@@ -99,9 +99,9 @@ pub use scheduler::SchedulerConfig;
 
 use crate::cache::{BlockManager, ScheduledBatch};
 use crate::models::{PagedKvCache, PagedModel};
+use pick::RowPick;
 use request::Sequence;
 use runner::{ModelRunner, StepLogits};
-use sampling::RowPick;
 use scheduler::Scheduler;
 
 const OP: &str = "engine";

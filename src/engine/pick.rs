@@ -13,9 +13,21 @@
 
 use candle_core::{bail, DType, Result, Tensor, D};
 
-use super::sampling::RowPick;
 use super::OP;
 use crate::ops::sample::{sample_rows, RowSampling};
+
+/// The penalties of one logit row: `(token, factor, subtract)` per token
+/// they touch, ascending by token. The new logit of `token` is
+/// `(x >= 0 ? x / factor : x * factor) - subtract`.
+pub(crate) type RowPenalties = Vec<(u32, f32, f32)>;
+
+/// What one logit row of a step needs to pick its token: its penalties and
+/// its draw (`None`: the argmax).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct RowPick {
+    pub(crate) penalties: RowPenalties,
+    pub(crate) draw: Option<RowSampling>,
+}
 
 /// Rows `idx` of `(rows, vocab)` `logits`: a view of all of them when `idx`
 /// lists every row in order, else one gather on the logits' device.

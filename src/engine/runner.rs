@@ -14,7 +14,7 @@ use super::buckets::decode_split_plan_keys;
 #[cfg(feature = "cuda")]
 use super::graphs::DecodeGraphs;
 use super::pick::pick_tokens;
-use super::sampling::RowPick;
+use super::pick::RowPick;
 use super::scheduler::SchedulerConfig;
 use super::OP;
 use crate::cache::{BlockManager, ScheduledBatch, Work};

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{bail, DType, Result, Tensor};
 
+use super::pick::{pick_tokens, RowPick};
 use crate::ops::sample::RowSampling;
 
 /// How one sequence picks its tokens and when it stops.
@@ -141,19 +142,6 @@ impl SamplingParams {
 /// Temperatures below this are greedy (candle-transformers' threshold).
 const GREEDY_BELOW: f64 = 1e-7;
 
-/// The penalties of one logit row: `(token, factor, subtract)` per token
-/// they touch, ascending by token. The new logit of `token` is
-/// `(x >= 0 ? x / factor : x * factor) - subtract`.
-pub(crate) type RowPenalties = Vec<(u32, f32, f32)>;
-
-/// What one logit row of a step needs to pick its token: its penalties and
-/// its draw (`None`: the argmax).
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct RowPick {
-    pub(crate) penalties: RowPenalties,
-    pub(crate) draw: Option<RowSampling>,
-}
-
 /// The sampler of one sequence: its parameters, ready to give each step's
 /// [`RowPick`].
 #[derive(Clone, Debug)]
@@ -251,7 +239,7 @@ impl Sampler {
     pub fn sample(&self, logits: &Tensor, prompt: &[u32], generated: &[u32]) -> Result<u32> {
         check_finite(logits)?;
         let rows = logits.to_dtype(DType::F32)?.unsqueeze(0)?;
-        let picked = super::pick::pick_tokens(&rows, &[self.row_pick(prompt, generated)])?;
+        let picked = pick_tokens(&rows, &[self.row_pick(prompt, generated)])?;
         match picked.first() {
             Some(Some(t)) => Ok(*t),
             _ => bail!("sampling: the penalised logits are not finite"),
