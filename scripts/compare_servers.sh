@@ -16,14 +16,14 @@ here="$(cd "$(dirname "$0")" && pwd)"
 serve="${SERVE:-$here/../target/release/examples/serve}"
 seqs="${MAX_NUM_SEQS:-64}" words="${PROMPT_WORDS:-100}"
 load() {
-  python3 "$here/openai_load.py" --url "http://127.0.0.1:$1" --server "$2" --clients "$levels" \
+  python3 "$here/openai_load.py" --url "http://127.0.0.1:$1" --server "$2" --pid "$3" --clients "$levels" \
     --requests-per-client "$per_client" --max-tokens "$max_tokens" --prompt-words "$words" --wait 300
 }
 stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
 
 "$serve" "$model" --device "$device" --port 8101 --max-num-seqs "$seqs" > /tmp/compare-ours.log 2>&1 &
 pid=$!
-load 8101 candle-paged-attention || tail -5 /tmp/compare-ours.log
+load 8101 candle-paged-attention "$pid" || tail -5 /tmp/compare-ours.log
 stop "$pid"
 
 if [[ -n "${MISTRALRS:-}" ]]; then
@@ -32,6 +32,6 @@ if [[ -n "${MISTRALRS:-}" ]]; then
   if [[ $device == cpu ]]; then args+=(--cpu --dtype f32); else args+=(--paged-attn on); fi
   "$MISTRALRS" "${args[@]}" > /tmp/compare-mistralrs.log 2>&1 &
   pid=$!
-  load 8102 mistral.rs || tail -5 /tmp/compare-mistralrs.log
+  load 8102 mistral.rs "$pid" || tail -5 /tmp/compare-mistralrs.log
   stop "$pid"
 fi

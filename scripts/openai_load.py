@@ -19,7 +19,7 @@ Only the standard library: it runs wherever python3 does.
 import argparse
 import http.client
 import json
-import statistics
+import os
 import sys
 import threading
 import time
@@ -130,11 +130,30 @@ def level(url, model, clients, requests, words, max_tokens):
     }
 
 
-def wait_ready(url, seconds):
-    """The first model id `/v1/models` lists, once it answers; None on timeout."""
+def alive(pid):
+    """False once process `pid` (None: not watched) has exited."""
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of someone else's shell still answers kill(0).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def wait_ready(url, seconds, pid=None):
+    """The first model id `/v1/models` lists, once it answers; None on
+    timeout or when the server's process `pid` exits first."""
     u = urllib.parse.urlparse(url)
     deadline = time.time() + seconds
-    while time.time() < deadline:
+    while time.time() < deadline and alive(pid):
         try:
             conn = http.client.HTTPConnection(u.hostname, u.port, timeout=5)
             conn.request("GET", "/v1/models")
@@ -159,10 +178,12 @@ def main():
     ap.add_argument("--prompt-words", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--wait", type=float, default=180, help="seconds to wait for /v1/models")
+    ap.add_argument("--pid", type=int, default=None, help="stop waiting when this process exits")
     a = ap.parse_args()
-    listed = wait_ready(a.url, a.wait)
+    listed = wait_ready(a.url, a.wait, a.pid)
     if listed is None:
-        print(json.dumps({"server": a.server, "error": "not ready"}))
+        why = "exited before it answered" if not alive(a.pid) else "not ready"
+        print(json.dumps({"server": a.server, "error": why}))
         return 1
     if a.model is None:
         a.model = listed or None
