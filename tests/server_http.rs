@@ -610,6 +610,8 @@ async fn refusals_use_openai_error_bodies() {
     assert_error(s, &v, 400, Some("frequency_penalty"), &["[-2, 2]", "2.5"]);
     let (s, v) = post(json!({"prompt": "hi", "presence_penalty": -3})).await;
     assert_error(s, &v, 400, Some("presence_penalty"), &["[-2, 2]", "-3"]);
+    let (s, v) = post(json!({"prompt": "hi", "temperature": 1e300})).await;
+    assert_error(s, &v, 400, Some("temperature"), &["at most", "1e300"]);
     let (s, v) = post(json!({"prompt": "hi", "min_p": 1.5})).await;
     assert_error(s, &v, 400, Some("min_p"), &["[0, 1]", "1.5"]);
     let (s, v) = post(json!({"prompt": "hi", "temperature": "hot"})).await;

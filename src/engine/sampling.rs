@@ -18,7 +18,8 @@ use crate::ops::sample::RowSampling;
 
 /// How one sequence picks its tokens and when it stops.
 ///
-/// * `temperature` - finite; below `1e-7` (0 included) is greedy (argmax).
+/// * `temperature` - finite and at most `f32::MAX`; below `1e-7` (0
+///   included) is greedy (argmax).
 /// * `top_k` - with a temperature, sample among the `k >= 1` most likely
 ///   tokens only (every token tied with the k-th is kept too); ignored when
 ///   greedy.
@@ -99,6 +100,15 @@ impl SamplingParams {
             bail!(
                 "sampling: temperature must be finite, got {}",
                 self.temperature
+            );
+        }
+        // A draw divides f32 logits by it: past f32's range it would be
+        // infinite there.
+        if self.temperature > f32::MAX as f64 {
+            bail!(
+                "sampling: temperature {:e} is too large: it is applied in f32 and must be at most {:e}",
+                self.temperature,
+                f32::MAX
             );
         }
         if let Some(p) = self.top_p {
@@ -408,6 +418,13 @@ mod tests {
                 &format!("sampling: min_p must be in [0, 1], got {bad}"),
             );
         }
+        check(
+            SamplingParams {
+                temperature: 1e300,
+                ..Default::default()
+            },
+            "sampling: temperature 1e300 is too large: it is applied in f32",
+        );
         check(
             SamplingParams {
                 frequency_penalty: f32::NAN,

@@ -268,10 +268,20 @@ fn sampling_params(
         return Err(bad("top_logprobs", "top_logprobs are not supported".into()));
     }
     let temperature = f.temperature.unwrap_or(1.0);
-    if !(temperature.is_finite() && temperature >= 0.0) {
+    // A draw divides f32 logits by it: past f32's range it would be infinite.
+    if !(temperature.is_finite() && temperature >= 0.0 && temperature <= f32::MAX as f64) {
+        // Huge values in scientific notation, not hundreds of digits.
+        let shown = if temperature.abs() >= 1e16 {
+            format!("{temperature:e}")
+        } else {
+            temperature.to_string()
+        };
         return Err(bad(
             "temperature",
-            format!("temperature must be finite and at least 0, got {temperature}"),
+            format!(
+                "temperature must be finite, at least 0 and at most {:e}, got {shown}",
+                f32::MAX
+            ),
         ));
     }
     let top_p = match f.top_p {
