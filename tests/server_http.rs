@@ -485,6 +485,53 @@ async fn concurrent_streams_get_their_own_tokens() {
     server.shutdown().await;
 }
 
+/// A seeded sampled request (top-p, min-p and penalties) gets the same
+/// tokens alone and beside concurrent requests; other seeds get others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn seeded_sampled_requests_repeat_alone_or_in_a_batch() {
+    let varmap = weights(4);
+    let server = std::sync::Arc::new(start(&varmap, ServeConfig::default()).await);
+    let body = |seed: u64| {
+        json!({"prompt": prompt_text(2), "max_tokens": 16, "temperature": 1.2, "top_p": 0.95,
+               "min_p": 0.01, "frequency_penalty": 0.5, "presence_penalty": 0.25,
+               "repetition_penalty": 1.1, "seed": seed, "ignore_eos": true,
+               "return_token_ids": true})
+    };
+    let ids = |v: &Value| v["choices"][0]["token_ids"].clone();
+    let (status, alone) = server.post("/v1/completions", body(7)).await;
+    assert_eq!(status, 200, "{alone}");
+    let alone = ids(&alone);
+    assert_eq!(alone.as_array().map(Vec::len), Some(16), "{alone}");
+    let mut tasks = Vec::new();
+    for k in 0..8u64 {
+        let server = server.clone();
+        // Even clients repeat seed 7; odd ones use seeds of their own.
+        let seed = if k % 2 == 0 { 7 } else { 100 + k };
+        let b = body(seed);
+        tasks.push(tokio::spawn(async move {
+            let (status, v) = server.post("/v1/completions", b).await;
+            assert_eq!(status, 200, "{v}");
+            (seed, ids(&v))
+        }));
+    }
+    let mut others = Vec::new();
+    for t in tasks {
+        let (seed, got) = t.await.unwrap();
+        if seed == 7 {
+            assert_eq!(got, alone, "seed 7 in a batch");
+        } else {
+            others.push(got);
+        }
+    }
+    assert!(
+        others.iter().any(|o| *o != alone),
+        "four other seeds all gave seed 7's tokens: {alone}"
+    );
+    server.wait_idle(Duration::from_secs(5)).await;
+    let server = std::sync::Arc::into_inner(server).unwrap();
+    server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn disconnected_clients_free_their_blocks() {
     let varmap = weights(3);
