@@ -357,12 +357,30 @@ static_assert(cpa_skinny_max_rows == 8, "one skinny_matmul instance per row coun
 constexpr int GREEDY_THREADS = cpa_greedy_threads;
 static_assert(GREEDY_THREADS % 32 == 0 && GREEDY_THREADS <= 1024, "whole warps per greedy program");
 
-__device__ __forceinline__ void greedy_take(float v, int64_t i, float& best, int64_t& arg, bool& finite) {
-  finite &= isfinite(v);
+// Takes (v, i) over (best, arg) when v is larger, or equal at a lower index
+// (a NaN v never wins). Shared by the greedy and the sampling programs.
+template <typename T>
+__device__ __forceinline__ void argmax_merge(T v, int64_t i, T& best, int64_t& arg) {
   if (v > best || (v == best && i < arg)) {
     best = v;
     arg = i;
   }
+}
+
+// The argmax over a warp's lanes: every lane gets it.
+template <typename T>
+__device__ __forceinline__ void warp_argmax(T& best, int64_t& arg) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const T ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int64_t oa = __shfl_xor_sync(0xffffffffu, arg, o);
+    argmax_merge(ob, oa, best, arg);
+  }
+}
+
+__device__ __forceinline__ void greedy_take(float v, int64_t i, float& best, int64_t& arg, bool& finite) {
+  finite &= isfinite(v);
+  argmax_merge(v, i, best, arg);
 }
 
 extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
@@ -385,15 +403,7 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
     for (int64_t c = threadIdx.x; c < vocab; c += GREEDY_THREADS) greedy_take(r[c], c, best, arg, finite);
   }
   // Warp, then block: the largest value, lowest index on ties.
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int64_t oa = __shfl_xor_sync(0xffffffffu, arg, o);
-    if (ob > best || (ob == best && oa < arg)) {
-      best = ob;
-      arg = oa;
-    }
-  }
+  warp_argmax(best, arg);
   const bool all_finite = __syncthreads_and(finite);
   __shared__ float sbest[GREEDY_THREADS / 32];
   __shared__ int64_t sarg[GREEDY_THREADS / 32];
@@ -404,12 +414,7 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < GREEDY_THREADS / 32; ++w) {
-      if (sbest[w] > best || (sbest[w] == best && sarg[w] < arg)) {
-        best = sbest[w];
-        arg = sarg[w];
-      }
-    }
+    for (int w = 1; w < GREEDY_THREADS / 32; ++w) argmax_merge(sbest[w], sarg[w], best, arg);
     // A row of NaN only (or empty) keeps no index: token 0, not finite.
     out[2 * row] = arg == INT64_MAX ? 0u : (uint32_t)arg;
     out[2 * row + 1] = all_finite ? 1u : 0u;
@@ -612,33 +617,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (!(s >= thr)) continue;
     const uint32_t u = philox_first(k0, k1, (uint32_t)i, c1, c2, 0u);
     const double uu = ((double)u + 0.5) / 4294967296.0;
-    const double key = (double)s - log(-log(uu));
-    if (key > best || (key == best && i < arg)) {
-      best = key;
-      arg = i;
-    }
+    argmax_merge((double)s - log(-log(uu)), i, best, arg);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const double ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int64_t oa = __shfl_xor_sync(0xffffffffu, arg, o);
-    if (ob > best || (ob == best && oa < arg)) {
-      best = ob;
-      arg = oa;
-    }
-  }
+  warp_argmax(best, arg);
   if (threadIdx.x % 32 == 0) {
     sh.dpart[threadIdx.x / 32] = best;
     sh.ipart[threadIdx.x / 32] = arg;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < SAMPLE_THREADS / 32; ++w) {
-      if (sh.dpart[w] > best || (sh.dpart[w] == best && sh.ipart[w] < arg)) {
-        best = sh.dpart[w];
-        arg = sh.ipart[w];
-      }
-    }
+    for (int w = 1; w < SAMPLE_THREADS / 32; ++w) argmax_merge(sh.dpart[w], sh.ipart[w], best, arg);
     out[2 * row] = arg == INT64_MAX ? 0u : (uint32_t)arg;
     out[2 * row + 1] = 1u;
   }

@@ -65,19 +65,6 @@ fn run_engine(
     num_blocks: usize,
     graphs: bool,
     precapture: bool,
-) -> Result<(Vec<Vec<u32>>, EngineStats)> {
-    run_engine_with(
-        model, prompts, max_tokens, num_blocks, graphs, precapture, false,
-    )
-}
-
-fn run_engine_with(
-    model: &dyn PagedModel,
-    prompts: &[Vec<u32>],
-    max_tokens: usize,
-    num_blocks: usize,
-    graphs: bool,
-    precapture: bool,
     mixed: bool,
 ) -> Result<(Vec<Vec<u32>>, EngineStats)> {
     let cache = PagedKvCache::new(
@@ -126,8 +113,11 @@ fn same_tokens(
     num_blocks: usize,
     precapture: bool,
 ) -> Result<()> {
-    let (eager, eager_stats) = run_engine(model, prompts, max_tokens, num_blocks, false, false)?;
-    let (graph, stats) = run_engine(model, prompts, max_tokens, num_blocks, true, precapture)?;
+    let (eager, eager_stats) =
+        run_engine(model, prompts, max_tokens, num_blocks, false, false, false)?;
+    let (graph, stats) = run_engine(
+        model, prompts, max_tokens, num_blocks, true, precapture, false,
+    )?;
     eprintln!(
         "{name}: {} prompts, eager {eager_stats:?}, graphs {stats:?}",
         prompts.len()
@@ -246,9 +236,9 @@ cuda_test! {
         let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
         let prompts = random_prompts(4, &[12, 300, 33, 64, 3, 90], cfg.vocab_size);
         std::env::remove_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING");
-        let (host, _) = run_engine_with(&model, &prompts, 24, 512, false, false, true)?;
+        let (host, _) = run_engine(&model, &prompts, 24, 512, false, false, true)?;
         std::env::set_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING", "1");
-        let device = run_engine_with(&model, &prompts, 24, 512, true, true, true);
+        let device = run_engine(&model, &prompts, 24, 512, true, true, true);
         std::env::remove_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING");
         let (device, stats) = device?;
         ensure!(stats.graph_steps > 0, "no step replayed a graph: {stats:?}");

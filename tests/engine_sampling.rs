@@ -166,37 +166,29 @@ fn invalid_top_k_and_repeat_penalty_are_refused_by_add_request() -> Result<()> {
 
 #[test]
 fn frequency_and_presence_penalties_count_the_generated_tokens_only() -> Result<()> {
-    let model = FixedLogits::new()?;
-    let cache = PagedKvCache::new(
-        &model.attention_layers(),
-        CacheConfig::new(64),
-        DType::F32,
-        &Device::Cpu,
-    )?;
-    let mut engine = Engine::new(&model, cache, SchedulerConfig::default())?;
-    // 2 per earlier occurrence: 0 (32), 1 (31 > 30), 0 (30 = token 2's 30,
-    // lowest index), 2, 1 (29 = token 3's, lowest index), 3.
-    engine.add_request(request(
-        0,
-        vec![1, 1, 1],
-        SamplingParams {
-            frequency_penalty: 2.0,
-            ..SamplingParams::greedy(6)
-        },
-    ))?;
-    // 5 for any earlier occurrence: a new token each time, until token 0
-    // (32 - 5) ties token 5 (27) and wins on its index.
-    engine.add_request(request(
-        1,
-        vec![0],
-        SamplingParams {
-            presence_penalty: 5.0,
-            ..SamplingParams::greedy(6)
-        },
-    ))?;
-    let mut done = engine.run(|_| {})?;
-    done.sort_by_key(|c| c.id);
-    let tokens: Vec<Vec<u32>> = done.iter().map(|c| c.tokens.clone()).collect();
+    let done = run_all(vec![
+        // 2 per earlier occurrence: 0 (32), 1 (31 > 30), 0 (30 = token 2's
+        // 30, lowest index), 2, 1 (29 = token 3's, lowest index), 3.
+        request(
+            0,
+            vec![1, 1, 1],
+            SamplingParams {
+                frequency_penalty: 2.0,
+                ..SamplingParams::greedy(6)
+            },
+        ),
+        // 5 for any earlier occurrence: a new token each time, until token
+        // 0 (32 - 5) ties token 5 (27) and wins on its index.
+        request(
+            1,
+            vec![0],
+            SamplingParams {
+                presence_penalty: 5.0,
+                ..SamplingParams::greedy(6)
+            },
+        ),
+    ])?;
+    let tokens: Vec<Vec<u32>> = done.into_iter().map(|(_, t)| t).collect();
     ensure!(
         tokens == [vec![0, 1, 0, 2, 1, 3], vec![0, 1, 2, 3, 4, 0]],
         "{tokens:?}"

@@ -180,6 +180,8 @@ fn skinny_typed<T: Elem + WithDType>(
             ws.len()
         );
     }
+    // xs holds m * k and ws n * k values (checked above), so the row slices
+    // below are in bounds.
     let mut out = vec![T::from_f32(0.); m * n];
     out.par_chunks_mut(n.max(1))
         .enumerate()

@@ -39,6 +39,22 @@ pub(super) fn pick_rows(logits: &Tensor, idx: &[usize]) -> Result<Tensor> {
     logits.index_select(&Tensor::new(ids, logits.device())?, 0)
 }
 
+/// The first NaN or infinity of `logits` (any shape, any float dtype,
+/// read flattened) in words, `"token 3 of 32 has logit NaN"`; `None` when
+/// every value is finite. Copies the values to the host: for a row that
+/// picked no token, or a single row.
+pub(super) fn first_non_finite(logits: &Tensor) -> Result<Option<String>> {
+    let values = logits
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    Ok(values
+        .iter()
+        .enumerate()
+        .find(|(_, v)| !v.is_finite())
+        .map(|(t, v)| format!("token {t} of {} has logit {v}", values.len())))
+}
+
 /// Whether CUDA logits are picked by the crate's own kernels (see the
 /// module's documentation): `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=1`.
 fn device_kernels() -> bool {

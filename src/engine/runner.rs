@@ -8,13 +8,13 @@ use std::cell::RefCell;
 
 #[cfg(feature = "cuda")]
 use candle_core::Error;
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{bail, Device, Result, Tensor};
 
 use super::buckets::decode_split_plan_keys;
 #[cfg(feature = "cuda")]
 use super::graphs::DecodeGraphs;
-use super::pick::pick_tokens;
 use super::pick::RowPick;
+use super::pick::{first_non_finite, pick_tokens};
 use super::scheduler::SchedulerConfig;
 use super::OP;
 use crate::cache::{BlockManager, ScheduledBatch, Work};
@@ -31,11 +31,9 @@ pub(super) struct StepLogits {
 /// The first non-finite logit of row `r` of `(rows, vocab)` `logits`, in
 /// words (one copy of the row: only for a row that picked no token).
 fn non_finite_detail(logits: &Tensor, r: usize) -> Result<String> {
-    let row = logits.get(r)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    Ok(match row.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-        Some((t, v)) => format!("token {t} of {} has logit {v}", row.len()),
-        None => "its logits are finite, but not once its penalties are applied".to_string(),
-    })
+    Ok(first_non_finite(&logits.get(r)?)?.unwrap_or_else(|| {
+        "its logits are finite, but not once its penalties are applied".to_string()
+    }))
 }
 
 /// Runs the steps of an engine on its model and caches, and owns its CUDA

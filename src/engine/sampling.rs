@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::pick::{pick_tokens, RowPick};
+use super::pick::{first_non_finite, pick_tokens, RowPick};
 use crate::ops::sample::RowSampling;
 
 /// How one sequence picks its tokens and when it stops.
@@ -259,15 +259,8 @@ impl Sampler {
 
 /// Refuses `logits` `(vocab,)` holding a NaN or an infinity.
 fn check_finite(logits: &Tensor) -> Result<()> {
-    let values = logits
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    if let Some((t, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-        bail!(
-            "sampling: non-finite logits: token {t} of {} has logit {v}",
-            values.len()
-        );
+    if let Some(what) = first_non_finite(logits)? {
+        bail!("sampling: non-finite logits: {what}");
     }
     Ok(())
 }

@@ -130,6 +130,7 @@ fn likelier(s: &[f32], a: usize, b: usize) -> std::cmp::Ordering {
 fn kept(s: &[f32], p: &RowSampling, floor: f32) -> Vec<bool> {
     let mut order: Vec<usize> = (0..s.len()).filter(|&i| s[i] >= floor).collect();
     if p.top_k > 0 && (p.top_k as usize) < order.len() {
+        // 1 <= k < order.len(): `k - 1` and `order[k - 1]` are in range.
         let k = p.top_k as usize;
         order.select_nth_unstable_by(k - 1, |&a, &b| likelier(s, a, b));
         let kth = s[order[k - 1]];
@@ -292,7 +293,10 @@ impl candle_core::CustomOp2 for SampleRows {
         };
         let logits = &l.as_slice::<f32>()?[ls..le];
         let words = &p.as_slice::<u32>()?[ps..pe];
-        // Rows are independent: one rayon task each.
+        // `rows_vocab` checked the logits' layout is (rows, vocab) and the
+        // params' (rows, SAMPLE_PARAM_WORDS), and both are contiguous: the
+        // slices below hold exactly rows * vocab and rows * words values, so
+        // the row ranges are in bounds. Rows are independent: one rayon task each.
         let pairs: Vec<[u32; 2]> = (0..rows)
             .into_par_iter()
             .map(|r| {
