@@ -38,6 +38,12 @@ mod tiles;
 #[path = "src/cuda/layer_shapes.rs"]
 mod layer_shapes;
 
+/// Top-p's integer masses, shared with the library.
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
+#[path = "src/ops/sample_mass.rs"]
+mod sample_mass;
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::fmt::Write as _;
@@ -46,6 +52,10 @@ mod cuda {
     use super::layer_shapes::{
         skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SAMPLE_PARAM_WORDS,
         SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
+    };
+    use super::sample_mass::{
+        MASS_EXP_TAYLOR, MASS_FRACTION_BITS, MASS_LN2_HI, MASS_LN2_LO, MASS_LOG2_E, MASS_MAX_VOCAB,
+        MASS_ZERO_BELOW,
     };
     use super::tiles::{instances, smem_bytes, Kind, TileInstance, QUERY_DTYPES};
 
@@ -83,6 +93,27 @@ mod cuda {
             out,
             "constexpr int cpa_sample_param_words = {SAMPLE_PARAM_WORDS};"
         )?;
+        // f32 constants in Rust's shortest round-trip form: the C++ parser
+        // rounds them back to the same bits.
+        writeln!(
+            out,
+            "constexpr int cpa_mass_fraction_bits = {MASS_FRACTION_BITS};"
+        )?;
+        writeln!(
+            out,
+            "constexpr long long cpa_mass_max_vocab = {MASS_MAX_VOCAB};"
+        )?;
+        for (name, v) in [
+            ("zero_below", MASS_ZERO_BELOW),
+            ("log2_e", MASS_LOG2_E),
+            ("ln2_hi", MASS_LN2_HI),
+            ("ln2_lo", MASS_LN2_LO),
+        ] {
+            writeln!(out, "constexpr float cpa_mass_{name} = {v:?}f;")?;
+        }
+        for (j, c) in MASS_EXP_TAYLOR.iter().enumerate() {
+            writeln!(out, "constexpr float cpa_mass_exp_c{j} = {c:?}f;")?;
+        }
         for m in 1..=SKINNY_MAX_ROWS {
             let cols = skinny_cols_per_warp(m);
             writeln!(out, "constexpr int cpa_skinny_cols_per_warp_m{m} = {cols};")?;

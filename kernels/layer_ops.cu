@@ -431,13 +431,17 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
 // writes out[2 * row] = the token, out[2 * row + 1] = 1, or 0 and 0 for a
 // row holding a NaN or an infinity. The k-th largest value (top-k) and the
 // top-p cut are found exactly by a radix descent over an order-preserving
-// integer key of the scaled logits (4 passes of 8 bits each; integer
-// counts, f64 masses), the draw by the Gumbel-max trick over a
+// integer key of the scaled logits (4 passes of 8 bits each over the row;
+// integer counts, and for top-p integer quanta of mass, so the cut is the
+// host's whatever order the atomics add in), the draw by the Gumbel-max
+// trick over a
 // Philox4x32-10 stream keyed by the seed, counted by (index, step).
 constexpr int SAMPLE_THREADS = cpa_sample_threads;
 constexpr int SAMPLE_PARAM_WORDS = cpa_sample_param_words;
 static_assert(SAMPLE_THREADS % 32 == 0 && SAMPLE_THREADS <= 1024, "whole warps per sampling program");
 static_assert(SAMPLE_PARAM_WORDS == 8, "the parameter layout above");
+static_assert(cpa_mass_fraction_bits == 40 && cpa_mass_max_vocab <= (1ll << 23),
+              "vocab * 2^40 quanta fit a u64, and mass_target's 88-bit product holds");
 
 __device__ __forceinline__ uint32_t order_key(float s) {
   const uint32_t b = __float_as_uint(s);
@@ -467,15 +471,79 @@ __device__ __forceinline__ uint32_t philox_first(uint32_t k0, uint32_t k1, uint3
   return c0;
 }
 
+// Histogram copies per program: lane % SAMPLE_COPIES picks one, so that at
+// most 32 / SAMPLE_COPIES lanes of a warp meet on one counter.
+constexpr int SAMPLE_COPIES = 8;
+constexpr int SAMPLE_BINS = 256;  // 8 key bits per level, 4 levels
+
 struct SampleShared {
-  uint32_t hist[256];
-  double mass[256];
+  uint32_t count[SAMPLE_COPIES][SAMPLE_BINS];
+  unsigned long long mass[SAMPLE_COPIES][SAMPLE_BINS];
+  unsigned long long bin[SAMPLE_BINS];  // the copies summed
   float fpart[SAMPLE_THREADS / 32];
   double dpart[SAMPLE_THREADS / 32];
   int64_t ipart[SAMPLE_THREADS / 32];
-  uint32_t prefix, mask, count;
-  double above;
+  // The radix descent: the key bits fixed so far, the count or mass above
+  // them, what must be reached, the bin just picked, all the bins' total.
+  uint32_t prefix, mask;
+  unsigned long long above, need, total;
+  int picked;
 };
+
+// Calls f(value, index) for every logit of row r, 16-byte loads where the
+// row allows them.
+template <typename F>
+__device__ __forceinline__ void each_logit(const float* __restrict__ r, int64_t vocab, F&& f) {
+  if (vocab % 4 == 0 && (reinterpret_cast<uintptr_t>(r) & 15) == 0) {
+    const float4* r4 = reinterpret_cast<const float4*>(r);
+    for (int64_t c = threadIdx.x; c < vocab / 4; c += SAMPLE_THREADS) {
+      const float4 v = r4[c];
+      f(v.x, 4 * c);
+      f(v.y, 4 * c + 1);
+      f(v.z, 4 * c + 2);
+      f(v.w, 4 * c + 3);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) f(r[i], i);
+  }
+}
+
+// Top-p's quanta of a kept scaled logit s <= 0: src/ops/sample_mass.rs's
+// `mass_quanta`, the same rounded f32 operations in the same order (no
+// contraction into fused multiply-adds), so both sides agree bit for bit.
+__device__ __forceinline__ unsigned long long mass_quanta(float s) {
+  if (!(s >= cpa_mass_zero_below)) return 0ull;
+  const float k = rintf(__fmul_rn(s, cpa_mass_log2_e));
+  float r = __fsub_rn(s, __fmul_rn(k, cpa_mass_ln2_hi));
+  r = __fsub_rn(r, __fmul_rn(k, cpa_mass_ln2_lo));
+  float p = cpa_mass_exp_c7;
+  p = __fadd_rn(__fmul_rn(p, r), cpa_mass_exp_c6);
+  p = __fadd_rn(__fmul_rn(p, r), cpa_mass_exp_c5);
+  p = __fadd_rn(__fmul_rn(p, r), cpa_mass_exp_c4);
+  p = __fadd_rn(__fmul_rn(p, r), cpa_mass_exp_c3);
+  p = __fadd_rn(__fmul_rn(p, r), cpa_mass_exp_c2);
+  p = __fadd_rn(__fmul_rn(p, r), cpa_mass_exp_c1);
+  p = __fadd_rn(__fmul_rn(p, r), cpa_mass_exp_c0);
+  const float e = __fmul_rn(p, __int_as_float((127 + (int)k) << 23));
+  return (unsigned long long)rint(__dmul_rn((double)e, (double)(1ull << cpa_mass_fraction_bits)));
+}
+
+// ceil(top_p * total), exactly (src/ops/sample_mass.rs's `mass_target`).
+__device__ __forceinline__ unsigned long long mass_target(float top_p, unsigned long long total) {
+  const uint32_t bits = __float_as_uint(top_p), exp = (bits >> 23) & 0xffu, frac = bits & 0x7fffffu;
+  const unsigned long long m = exp == 0 ? frac : (frac | 0x800000u);
+  const int sh = exp == 0 ? 149 : 150 - (int)exp;
+  const unsigned long long lo = m * total, hi = __umul64hi(m, total);  // m * total < 2^88
+  if (sh >= 88) return (lo | hi) != 0ull ? 1ull : 0ull;
+  if (sh >= 64) {
+    const int t = sh - 64;
+    const bool rest = lo != 0ull || (hi & ((1ull << t) - 1ull)) != 0ull;
+    return (hi >> t) + (rest ? 1ull : 0ull);
+  }
+  // 23 <= sh < 64 (top_p <= 1).
+  const bool rest = (lo & ((1ull << sh) - 1ull)) != 0ull;
+  return ((lo >> sh) | (hi << (64 - sh))) + (rest ? 1ull : 0ull);
+}
 
 // Block max of v (every thread gets it).
 __device__ __forceinline__ float sample_block_max(float v, SampleShared& sh) {
@@ -489,16 +557,110 @@ __device__ __forceinline__ float sample_block_max(float v, SampleShared& sh) {
   return r;
 }
 
-// Block sum of v in a fixed order (every thread gets it).
-__device__ __forceinline__ double sample_block_sum(double v, SampleShared& sh) {
+// One level of a radix descent over the order keys of the kept scaled
+// logits (s >= thr) whose key matches sh.prefix under sh.mask: their counts
+// (MASS false) or quanta (MASS true) by key bits [shift, shift + 8), summed
+// over the copies into sh.bin. Then warp 0 takes, from the top bin down, the
+// first bin at which sh.above plus the bins from the top reach sh.need
+// (with MASS and first, sh.need is set first to mass_target(top_p, total)),
+// fixes its bits in sh.prefix / sh.mask and adds the bins above it to
+// sh.above; sh.picked = the bin, or -1 when none reaches (sh.total short of
+// sh.need). Ends with the block synchronised.
+template <bool MASS>
+__device__ void radix_level(const float* __restrict__ r, int64_t vocab, float mx, float temperature, float thr,
+                            int shift, bool first, float top_p, SampleShared& sh) {
+  for (int j = threadIdx.x; j < SAMPLE_COPIES * SAMPLE_BINS; j += SAMPLE_THREADS) {
+    if (MASS) {
+      (&sh.mass[0][0])[j] = 0ull;
+    } else {
+      (&sh.count[0][0])[j] = 0u;
+    }
+  }
+  __syncthreads();
+  const uint32_t prefix = sh.prefix, mask = sh.mask;
+  const int copy = threadIdx.x % SAMPLE_COPIES;
+  each_logit(r, vocab, [&](float x, int64_t) {
+    const float s = __fdiv_rn(x - mx, temperature);
+    const uint32_t k = order_key(s);
+    if (s >= thr && (k & mask) == prefix) {
+      const uint32_t b = (k >> shift) & (SAMPLE_BINS - 1);
+      if (MASS) {
+        const unsigned long long q = mass_quanta(s);
+        if (q != 0ull) atomicAdd(&sh.mass[copy][b], q);
+      } else {
+        atomicAdd(&sh.count[copy][b], 1u);
+      }
+    }
+  });
+  __syncthreads();
+  for (int b = threadIdx.x; b < SAMPLE_BINS; b += SAMPLE_THREADS) {
+    unsigned long long t = 0ull;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) sh.dpart[threadIdx.x / 32] = v;
+    for (int c = 0; c < SAMPLE_COPIES; ++c) t += MASS ? sh.mass[c][b] : (unsigned long long)sh.count[c][b];
+    sh.bin[b] = t;
+  }
   __syncthreads();
-  double r = 0.0;
-  for (int w = 0; w < SAMPLE_THREADS / 32; ++w) r += sh.dpart[w];
+  if (threadIdx.x < 32) {
+    // Lane l holds bins hi = 255 - 8l down to hi - 7: an inclusive scan over
+    // the lanes sums the bins from the top.
+    const int lane = threadIdx.x, hi = SAMPLE_BINS - 1 - 8 * lane;
+    static_assert(SAMPLE_BINS == 32 * 8, "eight bins per lane");
+    unsigned long long chunk = 0ull;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) chunk += sh.bin[hi - j];
+    unsigned long long incl = chunk;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned long long t = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += t;
+    }
+    const unsigned long long total = __shfl_sync(0xffffffffu, incl, 31);
+    if (MASS && first && lane == 0) {
+      sh.total = total;
+      sh.need = mass_target(top_p, total);
+    } else if (first && lane == 0) {
+      sh.total = total;
+    }
+    __syncwarp();
+    const unsigned long long need = sh.need, base = sh.above;
+    const unsigned ballot = __ballot_sync(0xffffffffu, base + incl >= need);
+    if (ballot == 0u) {
+      if (lane == 0) sh.picked = -1;
+    } else if (lane == __ffs(ballot) - 1) {
+      unsigned long long a = base + incl - chunk;
+      int b = hi;
+      // This lane's bins reach `need`: the loop stops at hi - 7 at the latest.
+      for (; b > hi - 7 && a + sh.bin[b] < need; --b) a += sh.bin[b];
+      sh.above = a;
+      sh.picked = b;
+      sh.prefix = prefix | ((uint32_t)b << shift);
+      sh.mask = mask | ((uint32_t)(SAMPLE_BINS - 1) << shift);
+    }
+  }
   __syncthreads();
-  return r;
+}
+
+// A full radix descent (4 levels of 8 bits): the order key of the cut, or
+// false when level one finds nothing to cut (sh.need beyond sh.total).
+template <bool MASS>
+__device__ bool radix_cut(const float* __restrict__ r, int64_t vocab, float mx, float temperature, float thr,
+                          unsigned long long need, float top_p, SampleShared& sh, uint32_t& key) {
+  __syncthreads();  // every thread has read the last descent's state
+  if (threadIdx.x == 0) {
+    sh.prefix = 0u;
+    sh.mask = 0u;
+    sh.above = 0ull;
+    sh.need = need;
+  }
+  __syncthreads();
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    radix_level<MASS>(r, vocab, mx, temperature, thr, shift, shift == 24, top_p, sh);
+    if (sh.picked < 0) return false;
+    // Top-k: every kept token is within the k largest; nothing to cut.
+    if (!MASS && shift == 24 && sh.need >= sh.total) return false;
+  }
+  key = sh.prefix;
+  return true;
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
@@ -514,111 +676,37 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   // 1. The maximum, and whether the row is finite.
   float mx = __int_as_float(0xff800000);
   bool finite = true;
-  for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-    const float v = r[i];
+  each_logit(r, vocab, [&](float v, int64_t) {
     finite &= isfinite(v);
     mx = fmaxf(mx, v);
-  }
+  });
   if (!__syncthreads_and(finite)) {
     if (threadIdx.x == 0) out[2 * row] = out[2 * row + 1] = 0u;
     return;
   }
   mx = sample_block_max(mx, sh);
-  auto scaled = [&](int64_t i) { return __fdiv_rn(r[i] - mx, temperature); };
   float thr = floor_s;  // keep s >= thr
+  uint32_t key;
   // 2. Top-k: the k-th largest scaled logit among those above the floor.
-  if (top_k > 0) {
-    uint32_t n = 0;
-    for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) n += scaled(i) >= thr;
-    if (threadIdx.x == 0) sh.count = 0;
-    __syncthreads();
-    atomicAdd(&sh.count, n);
-    __syncthreads();
-    const uint32_t kept_n = sh.count;
-    __syncthreads();  // every thread has read it before it is reused below
-    if (top_k < kept_n) {
-      if (threadIdx.x == 0) {
-        sh.prefix = 0;
-        sh.mask = 0;
-        sh.count = top_k;  // rank still to find, from the top
-      }
-      for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += SAMPLE_THREADS) sh.hist[b] = 0;
-        __syncthreads();
-        const uint32_t prefix = sh.prefix, mask = sh.mask;
-        for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-          const float s = scaled(i);
-          const uint32_t k = order_key(s);
-          if (s >= thr && (k & mask) == prefix) atomicAdd(&sh.hist[(k >> shift) & 255u], 1u);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          uint32_t rank = sh.count;
-          int b = 255;
-          for (; b > 0 && rank > sh.hist[b]; --b) rank -= sh.hist[b];
-          sh.count = rank;
-          sh.prefix = prefix | ((uint32_t)b << shift);
-          sh.mask = mask | (255u << shift);
-        }
-        __syncthreads();
-      }
-      thr = fmaxf(thr, from_order_key(sh.prefix));
-    }
+  if (top_k > 0 && radix_cut<false>(r, vocab, mx, temperature, thr, top_k, 1.f, sh, key)) {
+    thr = fmaxf(thr, from_order_key(key));
   }
-  // 3. Top-p: the largest cut whose tokens at or above it hold top_p of the
-  // kept mass.
-  if (top_p < 1.f) {
-    double z = 0.0;
-    for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-      const float s = scaled(i);
-      if (s >= thr) z += exp((double)s);
-    }
-    const double target = (double)top_p * sample_block_sum(z, sh);
-    if (threadIdx.x == 0) {
-      sh.prefix = 0;
-      sh.mask = 0;
-      sh.above = 0.0;
-    }
-    __syncthreads();
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int b = threadIdx.x; b < 256; b += SAMPLE_THREADS) sh.mass[b] = 0.0;
-      __syncthreads();
-      const uint32_t prefix = sh.prefix, mask = sh.mask;
-      for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-        const float s = scaled(i);
-        const uint32_t k = order_key(s);
-        if (s >= thr && (k & mask) == prefix) atomicAdd(&sh.mass[(k >> shift) & 255u], exp((double)s));
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        double above = sh.above;
-        int b = 255, last = -1;
-        for (; b >= 0; --b) {
-          if (sh.mass[b] <= 0.0) continue;
-          last = b;
-          if (above + sh.mass[b] >= target) break;
-          above += sh.mass[b];
-        }
-        if (b < 0) b = last;  // rounding: the smallest bin that holds mass
-        sh.above = above;
-        sh.prefix = prefix | ((uint32_t)(b < 0 ? 0 : b) << shift);
-        sh.mask = mask | (255u << shift);
-      }
-      __syncthreads();
-    }
-    thr = fmaxf(thr, from_order_key(sh.prefix));
+  // 3. Top-p: the largest cut whose tokens at or above it reach
+  // ceil(top_p * total) quanta of the kept mass.
+  if (top_p < 1.f && radix_cut<true>(r, vocab, mx, temperature, thr, 0ull, top_p, sh, key)) {
+    thr = fmaxf(thr, from_order_key(key));
   }
   // 4. Gumbel-max over the kept tokens.
   const uint32_t k0 = pw[4], k1 = pw[5], c1 = pw[6], c2 = pw[7];
   double best = -INFINITY;
   int64_t arg = INT64_MAX;
-  for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-    const float s = scaled(i);
-    if (!(s >= thr)) continue;
+  each_logit(r, vocab, [&](float x, int64_t i) {
+    const float s = __fdiv_rn(x - mx, temperature);
+    if (!(s >= thr)) return;
     const uint32_t u = philox_first(k0, k1, (uint32_t)i, c1, c2, 0u);
     const double uu = ((double)u + 0.5) / 4294967296.0;
     argmax_merge((double)s - log(-log(uu)), i, best, arg);
-  }
+  });
   warp_argmax(best, arg);
   if (threadIdx.x % 32 == 0) {
     sh.dpart[threadIdx.x / 32] = best;

@@ -9,7 +9,9 @@ and greedy decoding. The server's stop tokens end a request early (not
 every server has `ignore_eos`); throughput counts the tokens each answer
 streamed, and the table says how many that was.
 
-Prints one JSON line per level:
+Prints one JSON line per level; a level with a failed request (an HTTP
+error, or TIMEOUT_S seconds of silence) starts no new request and ends the
+run. Lines:
   {"server", "clients", "requests", "tokens", "wall_s", "tok_s",
    "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "errors"}
 
@@ -38,10 +40,14 @@ def prompt_text(i, words):
     return f"Story {i}: {body}"
 
 
+TIMEOUT_S = [60.0]
+
+
 def one_request(url, model, prompt, max_tokens):
-    """Streams one completion; returns (ttft_s, [inter-token gaps s], tokens)."""
+    """Streams one completion; returns (ttft_s, [inter-token gaps s], tokens).
+    Raises when the server sends nothing for TIMEOUT_S seconds."""
     u = urllib.parse.urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S[0])
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -88,14 +94,16 @@ def level(url, model, clients, requests, words, max_tokens):
         while True:
             with lock:
                 i = next_id[0]
-                if i >= requests:
+                # After a failure no new request starts: a server that
+                # stopped answering costs one timeout, not one per request.
+                if i >= requests or errors:
                     return
                 next_id[0] += 1
             try:
                 ttft, g, n = one_request(url, model, prompt_text(i, words), max_tokens)
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 with lock:
-                    errors.append(str(e)[:200])
+                    errors.append(f"request {i}: {type(e).__name__}: {str(e)[:200]}")
                 continue
             with lock:
                 if ttft is not None:
@@ -179,7 +187,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--wait", type=float, default=180, help="seconds to wait for /v1/models")
     ap.add_argument("--pid", type=int, default=None, help="stop waiting when this process exits")
+    ap.add_argument("--request-timeout", type=float, default=60, help="seconds of silence that fail a request")
     a = ap.parse_args()
+    TIMEOUT_S[0] = a.request_timeout
     listed = wait_ready(a.url, a.wait, a.pid)
     if listed is None:
         why = "exited before it answered" if not alive(a.pid) else "not ready"
@@ -194,6 +204,9 @@ def main():
         r = level(a.url, a.model, c, n, a.prompt_words, a.max_tokens)
         r["server"] = a.server
         print(json.dumps(r), flush=True)
+        if r["errors"]:
+            print(json.dumps({"server": a.server, "error": f"stopped after {c} clients: a request failed"}))
+            return 1
     return 0
 
 

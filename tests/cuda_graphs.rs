@@ -8,7 +8,10 @@
 //!   widths 32 and 64 blocks);
 //! * SmolLM2-135M (GGUF Q4_1, f32 and bf16 activations, graphs captured on
 //!   demand or all before the first step; `CPA_SMOLLM2_GGUF` names the
-//!   file, else `scripts/fetch-smollm2.sh` fetches it);
+//!   file, else `scripts/fetch-smollm2.sh` fetches it). In bf16 a request
+//!   may part at a near tie (a padded bucket's matmuls round differently):
+//!   both tokens must then be within 3% of the largest logit, and at least
+//!   half of the requests must match to the end;
 //! * a Llama-3-8B-shaped model with random bf16 weights (ignored by
 //!   default: it needs about 20 GB of GPU memory; run with `--ignored`).
 //!
@@ -103,8 +106,65 @@ fn run_engine(
     Ok((out, engine.stats()))
 }
 
+/// The last row's logits of one sequence `tokens`, from one eager prefill.
+fn last_logits(model: &dyn PagedModel, tokens: &[u32]) -> Result<Vec<f32>> {
+    let dev = model.device();
+    let blocks = tokens.len().div_ceil(8) + 4;
+    let cache = PagedKvCache::new(
+        &model.attention_layers(),
+        CacheConfig::new(blocks),
+        model.dtype(),
+        dev,
+    )?;
+    let mut manager = cache.block_manager()?;
+    manager.add_sequence(0, tokens)?;
+    let work = [Work::Prefill {
+        seq_id: 0,
+        num_tokens: tokens.len(),
+    }];
+    let batch = manager.schedule(&work, dev)?;
+    let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
+    let logits = model.forward(&input, &batch.metadata, &cache, &batch.last_rows)?;
+    Ok(logits
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
+}
+
+/// A request whose greedy tokens part at `at` (eager `e`, graph `g`): in
+/// 16-bit activations a batch of another size may round the logits of a
+/// near tie the other way. Both tokens must be within `rel` of the largest
+/// logit of `prompt + e[..at]`, recomputed by a fresh eager forward.
+fn near_tie(
+    model: &dyn PagedModel,
+    prompt: &[u32],
+    e: &[u32],
+    g: &[u32],
+    at: usize,
+    rel: f32,
+) -> Result<()> {
+    let mut seq = prompt.to_vec();
+    seq.extend_from_slice(&e[..at]);
+    let l = last_logits(model, &seq)?;
+    let top = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let (le, lg) = (l[e[at] as usize], l[g[at] as usize]);
+    let tol = rel * top.abs().max(1.0);
+    eprintln!(
+        "  parts at token {at}: eager {} (logit {le}), graph {} (logit {lg}), largest {top}, tolerance {tol}",
+        e[at], g[at]
+    );
+    ensure!(
+        top - le <= tol && top - lg <= tol,
+        "not a near tie at token {at}: largest logit {top}, eager's {le}, graph's {lg}"
+    );
+    Ok(())
+}
+
 /// Runs the prompts with graphs off and on (captured on demand, or all up
 /// front when `precapture`) and checks the tokens match and the graphs ran.
+/// With `near_ties` (16-bit activations), a request may part at a near tie
+/// (see [`near_tie`], 3% of the largest logit); at least half of them must
+/// still match to the end.
 fn same_tokens(
     name: &str,
     model: &dyn PagedModel,
@@ -112,6 +172,20 @@ fn same_tokens(
     max_tokens: usize,
     num_blocks: usize,
     precapture: bool,
+) -> Result<()> {
+    same_tokens_or_near_ties(
+        name, model, prompts, max_tokens, num_blocks, precapture, false,
+    )
+}
+
+fn same_tokens_or_near_ties(
+    name: &str,
+    model: &dyn PagedModel,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    num_blocks: usize,
+    precapture: bool,
+    near_ties: bool,
 ) -> Result<()> {
     let (eager, eager_stats) =
         run_engine(model, prompts, max_tokens, num_blocks, false, false, false)?;
@@ -128,13 +202,27 @@ fn same_tokens(
         "{name}: no decode step replayed a graph: {stats:?}"
     );
     ensure!(stats.kernels_per_graph_step > 0, "{name}: {stats:?}");
+    let mut parted = 0;
     for (i, (e, g)) in eager.iter().zip(&graph).enumerate() {
         let first = e.iter().zip(g).position(|(a, b)| a != b);
-        ensure!(
-            e == g,
-            "{name}: request {i} differs at token {first:?}: eager {e:?}, graph {g:?}"
-        );
+        match first {
+            Some(at) if near_ties => {
+                eprintln!("{name}: request {i}");
+                near_tie(model, &prompts[i], e, g, at, 0.03)
+                    .with_context(|| format!("{name}: request {i}: eager {e:?}, graph {g:?}"))?;
+                parted += 1;
+            }
+            _ => ensure!(
+                e == g,
+                "{name}: request {i} differs at token {first:?}: eager {e:?}, graph {g:?}"
+            ),
+        }
     }
+    ensure!(
+        2 * parted <= prompts.len(),
+        "{name}: {parted} of {} requests parted at near ties",
+        prompts.len()
+    );
     Ok(())
 }
 
@@ -227,20 +315,20 @@ cuda_test! {
 
 cuda_test! {
     /// Sampled and penalised requests beside greedy ones: the same tokens
-    /// eagerly with the host picking them (the default) and through graphs
-    /// with the picking kernels (`CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=1`).
+    /// eagerly with the host picking them
+    /// (`CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=0`) and through graphs with
+    /// the picking kernels (the default).
     fn sampled_tokens_are_the_same_eager_on_the_host_and_replayed_on_the_device(
         dev: &Device,
     ) -> Result<()> {
         let cfg = llama_config(3, 256, 512, (8, 2), 512);
         let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
         let prompts = random_prompts(4, &[12, 300, 33, 64, 3, 90], cfg.vocab_size);
+        std::env::set_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING", "0");
+        let host = run_engine(&model, &prompts, 24, 512, false, false, true);
         std::env::remove_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING");
-        let (host, _) = run_engine(&model, &prompts, 24, 512, false, false, true)?;
-        std::env::set_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING", "1");
-        let device = run_engine(&model, &prompts, 24, 512, true, true, true);
-        std::env::remove_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING");
-        let (device, stats) = device?;
+        let (host, _) = host?;
+        let (device, stats) = run_engine(&model, &prompts, 24, 512, true, true, true)?;
         ensure!(stats.graph_steps > 0, "no step replayed a graph: {stats:?}");
         for (i, (h, d)) in host.iter().zip(&device).enumerate() {
             ensure!(h == d, "request {i} ({:?}): host {h:?}, device {d:?}", request_params(i, 24, true));
@@ -366,7 +454,7 @@ cuda_test! {
         )?;
         let lens: Vec<usize> = (0..14).map(|i| 40 + 37 * i).collect();
         let prompts = random_prompts(9, &lens, 49152);
-        same_tokens("smollm2 bf16 pre-captured", &model, &prompts, 40, 2048, true)
+        same_tokens_or_near_ties("smollm2 bf16 pre-captured", &model, &prompts, 40, 2048, true, true)
     }
 }
 

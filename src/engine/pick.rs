@@ -4,12 +4,12 @@
 //! ([`crate::ops::sample`]), and one copy of `2 * rows` integers back.
 //! Nothing the size of a vocabulary row comes to the host.
 //!
-//! On a CUDA device the crate's own picking kernels (`greedy_tokens`,
-//! `sample_rows`) and the device penalties are opt-in for now, with
-//! `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=1`: they have been compiled but
-//! not yet run on a GPU. By default plain greedy rows take candle's argmax
-//! on the device and every other row comes to the host, where the same
-//! definition picks its token (the tokens are the same either way).
+//! On a CUDA device these are the crate's own picking kernels
+//! (`greedy_tokens`, `sample_rows`) and the device penalties.
+//! `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=0` turns them off: plain greedy
+//! rows then take candle's argmax on the device and every other row comes
+//! to the host, where the same definition picks its token (the tokens are
+//! the same either way; the host path is slower).
 
 use candle_core::{bail, DType, Result, Tensor, D};
 
@@ -56,9 +56,10 @@ pub(super) fn first_non_finite(logits: &Tensor) -> Result<Option<String>> {
 }
 
 /// Whether CUDA logits are picked by the crate's own kernels (see the
-/// module's documentation): `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=1`.
+/// module's documentation): yes unless
+/// `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=0`.
 fn device_kernels() -> bool {
-    std::env::var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING").is_ok_and(|v| v == "1")
+    !std::env::var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING").is_ok_and(|v| v == "0")
 }
 
 /// `(rows, 2)` u32 of `[argmax, finite]` per row of `(rows, vocab)`

@@ -15,6 +15,7 @@ pub(crate) mod paged_attention;
 pub(crate) mod reshape_and_cache;
 pub(crate) mod rotary_cache;
 pub(crate) mod sample;
+pub(crate) mod sample_mass;
 
 use candle_core::Tensor;
 

@@ -11,7 +11,9 @@
 //!    token equal to the k-th largest value is kept too); then, among those,
 //!    the most likely ones whose probability mass (renormalised over the
 //!    kept tokens, summed from the most likely down) first reaches `top_p`,
-//!    again keeping every token equal to the last one taken;
+//!    again keeping every token equal to the last one taken; the masses are
+//!    exact integers (`src/ops/sample_mass.rs`), so the cut does not depend
+//!    on the order of any sum;
 //! 4. the token: the kept index with the largest `s_i + g_i`, where
 //!    `g_i = -ln(-ln(u_i))` is a Gumbel variate of the uniform
 //!    `u_i = philox(seed, step, i)` in (0, 1) (lowest index on ties). This
@@ -20,6 +22,8 @@
 
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+
+use super::sample_mass::{mass_quanta, mass_target, MASS_MAX_VOCAB};
 
 const OP: &str = "sample";
 
@@ -123,9 +127,9 @@ fn likelier(s: &[f32], a: usize, b: usize) -> std::cmp::Ordering {
 /// The kept tokens of `s` (logits minus their maximum, over the
 /// temperature) under `p`'s filters, as a mask.
 ///
-/// Top-p's mass is renormalised by the kept tokens' total (summed in index
-/// order) and accumulated from the most likely token down; only as many of
-/// the likeliest tokens are sorted as the cut needs (chunks growing 4x from
+/// Top-p's mass, in integer quanta, is accumulated from the most likely
+/// token down until it reaches `ceil(top_p * total)`; only as many of the
+/// likeliest tokens are sorted as the cut needs (chunks growing 4x from
 /// 64), not the whole vocabulary.
 fn kept(s: &[f32], p: &RowSampling, floor: f32) -> Vec<bool> {
     let mut order: Vec<usize> = (0..s.len()).filter(|&i| s[i] >= floor).collect();
@@ -138,9 +142,10 @@ fn kept(s: &[f32], p: &RowSampling, floor: f32) -> Vec<bool> {
         order.sort_unstable();
     }
     if p.top_p < 1.0 && order.len() > 1 {
-        let total: f64 = order.iter().map(|&i| (s[i] as f64).exp()).sum();
-        let target = p.top_p as f64;
-        let mut mass = 0.0;
+        // At most MASS_MAX_VOCAB tokens of at most 2^40 quanta: no overflow.
+        let total: u64 = order.iter().map(|&i| mass_quanta(s[i])).sum();
+        let target = mass_target(p.top_p, total);
+        let mut mass = 0u64;
         let mut cut = None;
         let (mut rest, mut chunk) = (order.as_mut_slice(), 64usize);
         'chunks: while !rest.is_empty() {
@@ -151,7 +156,7 @@ fn kept(s: &[f32], p: &RowSampling, floor: f32) -> Vec<bool> {
             let (head, tail) = rest.split_at_mut(m);
             head.sort_unstable_by(|&a, &b| likelier(s, a, b));
             for &i in head.iter() {
-                mass += (s[i] as f64).exp() / total;
+                mass += mass_quanta(s[i]);
                 if mass >= target {
                     cut = Some(s[i]);
                     break 'chunks;
@@ -179,9 +184,7 @@ fn kept(s: &[f32], p: &RowSampling, floor: f32) -> Vec<bool> {
 /// * `p` - the row's parameters (checked).
 pub fn sample_row(logits: &[f32], p: &RowSampling) -> Result<u32> {
     p.validate()?;
-    if logits.is_empty() {
-        bail!("{OP}: logits must have at least one token");
-    }
+    check_vocab(logits.len())?;
     if let Some((t, v)) = logits.iter().enumerate().find(|(_, v)| !v.is_finite()) {
         bail!(
             "{OP}: non-finite logits: token {t} of {} has logit {v}",
@@ -194,6 +197,19 @@ pub fn sample_row(logits: &[f32], p: &RowSampling) -> Result<u32> {
         f32::NEG_INFINITY
     };
     sample_with_floor(logits, p, floor)
+}
+
+/// Refuses an empty vocabulary, or one too large for exact masses.
+fn check_vocab(vocab: usize) -> Result<()> {
+    if vocab == 0 {
+        bail!("{OP}: logits must have at least one token");
+    }
+    if vocab > MASS_MAX_VOCAB {
+        bail!(
+            "{OP}: a vocabulary of {vocab} tokens is over the {MASS_MAX_VOCAB} the sampler takes"
+        );
+    }
+    Ok(())
 }
 
 /// [`sample_row`] of finite `logits` with the min-p floor given.
@@ -287,6 +303,7 @@ impl candle_core::CustomOp2 for SampleRows {
         pl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (rows, vocab) = rows_vocab(ll, pl)?;
+        check_vocab(vocab)?;
         let (Some((ls, le)), Some((ps, pe))) = (ll.contiguous_offsets(), pl.contiguous_offsets())
         else {
             bail!("{OP}: logits and params must be contiguous");
@@ -323,6 +340,7 @@ impl candle_core::CustomOp2 for SampleRows {
         pl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rows, vocab) = rows_vocab(ll, pl)?;
+        check_vocab(vocab)?;
         let out = crate::cuda::layer_ops::sample_rows(OP, (l, ll), (p, pl), rows, vocab)?;
         Ok((out, Shape::from((rows, 2))))
     }
@@ -346,9 +364,7 @@ pub fn sample_rows(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
     if n != rows.len() {
         bail!("{OP}: {n} rows of logits but {} parameter rows", rows.len());
     }
-    if vocab == 0 {
-        bail!("{OP}: logits must have at least one token");
-    }
+    check_vocab(vocab)?;
     if logits.dtype() != DType::F32 {
         bail!("{OP}: logits must be f32, got {:?}", logits.dtype());
     }
@@ -406,22 +422,18 @@ mod tests {
     /// `kept` written the plain way: sort everything, cut, cut.
     fn kept_by_full_sort(s: &[f32], p: &RowSampling, floor: f32) -> Vec<bool> {
         let mut order: Vec<usize> = (0..s.len()).filter(|&i| s[i] >= floor).collect();
-        let total_of = |order: &[usize]| -> f64 {
-            let mut idx = order.to_vec();
-            idx.sort_unstable();
-            idx.iter().map(|&i| (s[i] as f64).exp()).sum()
-        };
+        let total_of = |order: &[usize]| -> u64 { order.iter().map(|&i| mass_quanta(s[i])).sum() };
         order.sort_by(|&a, &b| likelier(s, a, b));
         if p.top_k > 0 && (p.top_k as usize) < order.len() {
             let kth = s[order[p.top_k as usize - 1]];
             order.retain(|&i| s[i] >= kth);
         }
         if p.top_p < 1.0 && order.len() > 1 {
-            let total = total_of(&order);
-            let mut mass = 0.0;
+            let target = mass_target(p.top_p, total_of(&order));
+            let mut mass = 0;
             for j in 0..order.len() {
-                mass += (s[order[j]] as f64).exp() / total;
-                if mass >= p.top_p as f64 {
+                mass += mass_quanta(s[order[j]]);
+                if mass >= target {
                     let cut = s[order[j]];
                     order.retain(|&i| s[i] >= cut);
                     break;
@@ -613,6 +625,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("top_p"), "{err}");
+        let huge = vec![0f32; MASS_MAX_VOCAB + 1];
+        let err = sample_row(&huge, &p).unwrap_err().to_string();
+        assert!(err.contains("vocabulary of 8388609 tokens"), "{err}");
         Ok(())
     }
 }
