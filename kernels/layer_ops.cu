@@ -623,6 +623,7 @@ __device__ void radix_level(const float* __restrict__ r, int64_t vocab, float mx
     }
     __syncwarp();
     const unsigned long long need = sh.need, base = sh.above;
+    __syncwarp();  // read by every lane before the picking lane writes sh.above
     const unsigned ballot = __ballot_sync(0xffffffffu, base + incl >= need);
     if (ballot == 0u) {
       if (lane == 0) sh.picked = -1;

@@ -317,7 +317,7 @@ cuda_test! {
     /// Sampled and penalised requests beside greedy ones: the same tokens
     /// eagerly with the host picking them
     /// (`CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=0`) and through graphs with
-    /// the picking kernels (the default).
+    /// every row on the device (`=1`).
     fn sampled_tokens_are_the_same_eager_on_the_host_and_replayed_on_the_device(
         dev: &Device,
     ) -> Result<()> {
@@ -326,9 +326,10 @@ cuda_test! {
         let prompts = random_prompts(4, &[12, 300, 33, 64, 3, 90], cfg.vocab_size);
         std::env::set_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING", "0");
         let host = run_engine(&model, &prompts, 24, 512, false, false, true);
+        std::env::set_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING", "1");
+        let device = run_engine(&model, &prompts, 24, 512, true, true, true);
         std::env::remove_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING");
-        let (host, _) = host?;
-        let (device, stats) = run_engine(&model, &prompts, 24, 512, true, true, true)?;
+        let ((host, _), (device, stats)) = (host?, device?);
         ensure!(stats.graph_steps > 0, "no step replayed a graph: {stats:?}");
         for (i, (h, d)) in host.iter().zip(&device).enumerate() {
             ensure!(h == d, "request {i} ({:?}): host {h:?}, device {d:?}", request_params(i, 24, true));

@@ -4,12 +4,15 @@
 //! ([`crate::ops::sample`]), and one copy of `2 * rows` integers back.
 //! Nothing the size of a vocabulary row comes to the host.
 //!
-//! On a CUDA device these are the crate's own picking kernels
-//! (`greedy_tokens`, `sample_rows`) and the device penalties.
-//! `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=0` turns them off: plain greedy
-//! rows then take candle's argmax on the device and every other row comes
-//! to the host, where the same definition picks its token (the tokens are
-//! the same either way; the host path is slower).
+//! On a CUDA device, `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING` says which
+//! rows the crate's own picking kernels take ([`DevicePicking`]): by
+//! default the plain greedy rows go to the greedy kernel and every other
+//! row (a penalty or a draw) comes to the host in one copy, where the same
+//! definition picks its token; `1` picks every row on the device
+//! (penalties, the greedy kernel and the sampling kernel); `0` uses none
+//! of them (candle's argmax for the plain greedy rows). The tokens are the
+//! same in all three; the sampling kernel's latest edit has not yet run
+//! under the race checker, so it is not the default.
 
 use candle_core::{bail, DType, Result, Tensor, D};
 
@@ -55,18 +58,36 @@ pub(super) fn first_non_finite(logits: &Tensor) -> Result<Option<String>> {
         .map(|(t, v)| format!("token {t} of {} has logit {v}", values.len())))
 }
 
-/// Whether CUDA logits are picked by the crate's own kernels (see the
-/// module's documentation): yes unless
-/// `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING=0`.
-fn device_kernels() -> bool {
-    !std::env::var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING").is_ok_and(|v| v == "0")
+/// Which rows of CUDA logits the crate's picking kernels take, from
+/// `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DevicePicking {
+    /// `0`: none (candle's argmax for plain greedy rows, the host for the
+    /// others).
+    Off,
+    /// Unset, or any other value: the greedy kernel for plain greedy rows,
+    /// the host for the others.
+    Greedy,
+    /// `1`: every row (penalties, the greedy and the sampling kernel).
+    All,
+}
+
+fn device_picking() -> DevicePicking {
+    match std::env::var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING").as_deref() {
+        Ok("0") => DevicePicking::Off,
+        Ok("1") => DevicePicking::All,
+        _ => DevicePicking::Greedy,
+    }
 }
 
 /// `(rows, 2)` u32 of `[argmax, finite]` per row of `(rows, vocab)`
 /// `logits` (finite is 1 when the row holds no NaN and no infinity),
 /// computed on the logits' device.
 pub(super) fn greedy_pairs(logits: &Tensor) -> Result<Tensor> {
-    if logits.device().is_cuda() && logits.dtype() == DType::F32 && device_kernels() {
+    if logits.device().is_cuda()
+        && logits.dtype() == DType::F32
+        && device_picking() != DevicePicking::Off
+    {
         // One kernel and one read of the logits for both answers.
         return crate::ops::greedy::greedy_tokens(logits);
     }
@@ -126,7 +147,7 @@ pub(crate) fn pick_tokens(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Opti
             picks.len()
         );
     }
-    if logits.device().is_cuda() && !device_kernels() {
+    if logits.device().is_cuda() && device_picking() != DevicePicking::All {
         return pick_on_host(logits, picks);
     }
     let logits = apply_penalties(logits, picks)?;
@@ -152,9 +173,9 @@ pub(crate) fn pick_tokens(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Opti
     Ok(tokens)
 }
 
-/// [`pick_tokens`] of CUDA `logits` without the crate's picking kernels:
-/// the plain greedy rows by candle's argmax on the device, the others (a
-/// penalty or a draw) copied to the host in one copy and picked there.
+/// [`pick_tokens`] of CUDA `logits` without the sampling kernel: the plain
+/// greedy rows on the device ([`greedy_pairs`]), the others (a penalty or a
+/// draw) copied to the host in one copy and picked there.
 fn pick_on_host(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Option<u32>>> {
     let (plain, other): (Vec<usize>, Vec<usize>) =
         (0..picks.len()).partition(|&r| picks[r].draw.is_none() && picks[r].penalties.is_empty());
