@@ -53,7 +53,7 @@ pub(crate) fn mass_quanta(s: f32) -> u64 {
     if s.is_nan() || s < MASS_ZERO_BELOW {
         return 0;
     }
-    let k = (s * MASS_LOG2_E).round_ties_even();
+    let k = round_ties_even_f32(s * MASS_LOG2_E);
     let r = s - k * MASS_LN2_HI;
     let r = r - k * MASS_LN2_LO;
     let mut p = MASS_EXP_TAYLOR[7];
@@ -62,7 +62,23 @@ pub(crate) fn mass_quanta(s: f32) -> u64 {
     }
     // -43 <= k <= 0 here: 2^k is a normal f32 and the product is exact.
     let e = p * f32::from_bits(((127 + k as i32) as u32) << 23);
-    (e as f64 * (1u64 << MASS_FRACTION_BITS) as f64).round_ties_even() as u64
+    round_ties_even_f64(e as f64 * (1u64 << MASS_FRACTION_BITS) as f64) as u64
+}
+
+/// `x` rounded to an integer, ties to even, for `|x| < 2^22`: adding and
+/// subtracting `1.5 * 2^23` rounds in the addition, as IEEE-754 does, to
+/// the same value as the device's `rintf`. (`f32::round_ties_even` is a
+/// library call on baseline x86-64, in the host sampler's inner loop.)
+fn round_ties_even_f32(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+    (x + MAGIC) - MAGIC
+}
+
+/// `x` rounded to an integer, ties to even, for `0 <= x < 2^52` (as the
+/// device's `rint`), the same way.
+fn round_ties_even_f64(x: f64) -> f64 {
+    const MAGIC: f64 = 4_503_599_627_370_496.0; // 2^52
+    (x + MAGIC) - MAGIC
 }
 
 /// The mass top-p must reach, `ceil(top_p * total)`, exactly: `top_p` is
@@ -104,6 +120,26 @@ mod tests {
                 "s {s}: {got} quanta, exp gives {want}"
             );
             s -= 0.013_7;
+        }
+    }
+
+    #[test]
+    fn magic_rounding_is_ties_to_even() {
+        for x in [
+            -43.5f32, -42.5, -2.5, -1.5, -0.5, -0.4999, 0.0, 0.5, 1.5, -12.25, -7.75,
+        ] {
+            assert_eq!(round_ties_even_f32(x), x.round_ties_even(), "{x}");
+        }
+        for x in [
+            0.0f64,
+            0.5,
+            1.5,
+            2.5,
+            1e12 + 0.5,
+            1e12 + 1.5,
+            1_099_511_627_776.49,
+        ] {
+            assert_eq!(round_ties_even_f64(x), x.round_ties_even(), "{x}");
         }
     }
 
