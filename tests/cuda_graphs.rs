@@ -172,19 +172,6 @@ fn same_tokens(
     max_tokens: usize,
     num_blocks: usize,
     precapture: bool,
-) -> Result<()> {
-    same_tokens_or_near_ties(
-        name, model, prompts, max_tokens, num_blocks, precapture, false,
-    )
-}
-
-fn same_tokens_or_near_ties(
-    name: &str,
-    model: &dyn PagedModel,
-    prompts: &[Vec<u32>],
-    max_tokens: usize,
-    num_blocks: usize,
-    precapture: bool,
     near_ties: bool,
 ) -> Result<()> {
     let (eager, eager_stats) =
@@ -307,7 +294,7 @@ cuda_test! {
         let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
         for (seed, lens) in [(1, vec![37]), (2, vec![5, 600, 90]), (3, vec![12, 700, 33, 64, 3, 250])] {
             let prompts = random_prompts(seed, &lens, cfg.vocab_size);
-            same_tokens(&format!("llama {lens:?}"), &model, &prompts, 24, 512, seed == 3)?;
+            same_tokens(&format!("llama {lens:?}"), &model, &prompts, 24, 512, seed == 3, false)?;
         }
         Ok(())
     }
@@ -360,7 +347,7 @@ cuda_test! {
         let model = gemma3::Gemma3::load(vb, &cfg, PagedOptions::default())?;
         for (seed, lens) in [(4, vec![20]), (5, vec![70, 9, 530])] {
             let prompts = random_prompts(seed, &lens, 400);
-            same_tokens(&format!("gemma3 {lens:?}"), &model, &prompts, 40, 256, seed == 5)?;
+            same_tokens(&format!("gemma3 {lens:?}"), &model, &prompts, 40, 256, seed == 5, false)?;
         }
         Ok(())
     }
@@ -437,7 +424,7 @@ cuda_test! {
             PagedOptions::default(),
         )?;
         let prompts = random_prompts(7, &[30, 8, 520, 64, 200, 17], 49152);
-        same_tokens("smollm2", &model, &prompts, 48, 1024, false)?;
+        same_tokens("smollm2", &model, &prompts, 48, 1024, false, false)?;
         // Graphs captured before any step (smallest buckets last), then
         // prefill chunks of varied prompts between the replays: the
         // quantized matmuls' scratch buffers must not move under the graphs.
@@ -455,7 +442,7 @@ cuda_test! {
         )?;
         let lens: Vec<usize> = (0..14).map(|i| 40 + 37 * i).collect();
         let prompts = random_prompts(9, &lens, 49152);
-        same_tokens_or_near_ties("smollm2 bf16 pre-captured", &model, &prompts, 40, 2048, true, true)
+        same_tokens("smollm2 bf16 pre-captured", &model, &prompts, 40, 2048, true, true)
     }
 }
 
@@ -465,6 +452,6 @@ cuda_test! {
         let cfg = llama_config(32, 4096, 14336, (32, 8), 128_256);
         let model = random_llama(&cfg, 0.02, DType::BF16, dev)?;
         let prompts = random_prompts(8, &[128, 20, 600, 64], cfg.vocab_size);
-        same_tokens("llama3-8b-shaped", &model, &prompts, 24, 1024, false)
+        same_tokens("llama3-8b-shaped", &model, &prompts, 24, 1024, false, false)
     }
 }
