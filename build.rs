@@ -50,8 +50,8 @@ mod cuda {
     use std::path::PathBuf;
 
     use super::layer_shapes::{
-        skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SAMPLE_PARAM_WORDS,
-        SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
+        skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SAMPLE_CLUSTER,
+        SAMPLE_PARAM_WORDS, SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
     };
     use super::sample_mass::{
         MASS_EXP_TAYLOR, MASS_FRACTION_BITS, MASS_LN2_HI, MASS_LN2_LO, MASS_LOG2_E, MASS_MAX_VOCAB,
@@ -89,6 +89,7 @@ mod cuda {
         writeln!(out, "constexpr int cpa_skinny_threads = {SKINNY_THREADS};")?;
         writeln!(out, "constexpr int cpa_greedy_threads = {GREEDY_THREADS};")?;
         writeln!(out, "constexpr int cpa_sample_threads = {SAMPLE_THREADS};")?;
+        writeln!(out, "constexpr int cpa_sample_cluster = {SAMPLE_CLUSTER};")?;
         writeln!(
             out,
             "constexpr int cpa_sample_param_words = {SAMPLE_PARAM_WORDS};"

@@ -422,20 +422,28 @@ extern "C" __global__ void __launch_bounds__(GREEDY_THREADS)
 }
 
 // ---- sampling ------------------------------------------------------------------
-// `sample_rows_f32`: one program of SAMPLE_THREADS threads per row of
-// `logits` (rows, vocab) f32 draws a token as src/ops/sample.rs defines it
-// (its host reference is `sample_row`), with the row's parameters
+// `sample_rows_f32`: SAMPLE_CLUSTER programs of SAMPLE_THREADS threads per
+// row of `logits` (rows, vocab) f32 draw a token as src/ops/sample.rs defines
+// it (its host reference is `sample_row`), with the row's parameters
 // `params[row]` (SAMPLE_PARAM_WORDS u32: temperature (f32 bits), the min-p
 // floor ln(min_p) computed on the host (f32 bits, -inf when off), top_k (0
 // off), top_p (f32 bits, 1 off), seed lo, seed hi, step lo, step hi), and
-// writes out[2 * row] = the token, out[2 * row + 1] = 1, or 0 and 0 for a
+// write out[2 * row] = the token, out[2 * row + 1] = 1, or 0 and 0 for a
 // row holding a NaN or an infinity. The k-th largest value (top-k) and the
 // top-p cut are found exactly by a radix descent over an order-preserving
-// integer key of the scaled logits (4 passes of 8 bits each over the row;
-// integer counts, and for top-p integer quanta of mass, so the cut is the
-// host's whatever order the atomics add in), the draw by the Gumbel-max
-// trick over a
-// Philox4x32-10 stream keyed by the seed, counted by (index, step).
+// integer key of the scaled logits (4 levels of 8 bits each; integer
+// counts, and for top-p integer quanta of mass, so the cut is the host's
+// whatever order the atomics add in), the draw by the Gumbel-max trick over
+// a Philox4x32-10 stream keyed by the seed, counted by (index, step).
+//
+// On sm_90 and later the SAMPLE_CLUSTER programs of a row form one thread
+// block cluster: each takes a slice of ceil(vocab / SAMPLE_CLUSTER) tokens
+// (rounded up to 4), keeps its scaled logits in dynamic shared memory when
+// `cache_cap` floats hold them (else recomputes them from `logits` in every
+// pass), and the programs sum their histograms, maxima and winners through
+// distributed shared memory: every program of the cluster reads the same
+// integer sums and takes the same radix decisions. Before sm_90 the first
+// program of each row's group does the whole row and the others return.
 constexpr int SAMPLE_THREADS = cpa_sample_threads;
 constexpr int SAMPLE_PARAM_WORDS = cpa_sample_param_words;
 static_assert(SAMPLE_THREADS % 32 == 0 && SAMPLE_THREADS <= 1024, "whole warps per sampling program");
@@ -471,40 +479,123 @@ __device__ __forceinline__ uint32_t philox_first(uint32_t k0, uint32_t k1, uint3
   return c0;
 }
 
+// The programs of one row: a cluster of SAMPLE_CLUSTER on sm_90 and later,
+// a single program before (src/cuda/layer_shapes.rs launches
+// cpa_sample_cluster programs per row either way).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#include <cooperative_groups.h>
+#define CPA_SAMPLE_CLUSTERED 1
+constexpr int SAMPLE_CLUSTER = cpa_sample_cluster;
+#define CPA_SAMPLE_CLUSTER_DIMS __cluster_dims__(cpa_sample_cluster, 1, 1)
+#else
+#define CPA_SAMPLE_CLUSTERED 0
+constexpr int SAMPLE_CLUSTER = 1;
+#define CPA_SAMPLE_CLUSTER_DIMS
+#endif
+static_assert(cpa_sample_cluster >= 1 && cpa_sample_cluster <= 8, "a portable cluster size");
+
+// This program's rank in its row's cluster.
+__device__ __forceinline__ int sample_rank() {
+#if CPA_SAMPLE_CLUSTERED
+  return (int)cooperative_groups::this_cluster().block_rank();
+#else
+  return 0;
+#endif
+}
+
+// A barrier over the row's programs: every write to shared memory before it
+// (by any program of the cluster) is visible to every read after it.
+__device__ __forceinline__ void sample_cluster_sync() {
+#if CPA_SAMPLE_CLUSTERED
+  cooperative_groups::this_cluster().sync();
+#else
+  __syncthreads();
+#endif
+}
+
+// `p` (an address in this program's shared memory) in program `rank`'s.
+template <typename T>
+__device__ __forceinline__ const T* sample_peer(const T* p, int rank) {
+#if CPA_SAMPLE_CLUSTERED
+  return cooperative_groups::this_cluster().map_shared_rank(const_cast<T*>(p), (unsigned)rank);
+#else
+  (void)rank;
+  return p;
+#endif
+}
+
 // Histogram copies per program: lane % SAMPLE_COPIES picks one, so that at
 // most 32 / SAMPLE_COPIES lanes of a warp meet on one counter.
 constexpr int SAMPLE_COPIES = 8;
 constexpr int SAMPLE_BINS = 256;  // 8 key bits per level, 4 levels
 
 struct SampleShared {
-  uint32_t count[SAMPLE_COPIES][SAMPLE_BINS];
-  unsigned long long mass[SAMPLE_COPIES][SAMPLE_BINS];
-  unsigned long long bin[SAMPLE_BINS];  // the copies summed
+  union {
+    uint32_t count[SAMPLE_COPIES][SAMPLE_BINS];
+    unsigned long long mass[SAMPLE_COPIES][SAMPLE_BINS];
+  };
+  // This program's bins (the copies summed), by the parity of the level:
+  // read by the whole cluster after a cluster barrier, and written again
+  // two levels later, after the next barrier has passed.
+  unsigned long long bin[2][SAMPLE_BINS];
+  unsigned long long all[SAMPLE_BINS];  // the cluster's bins summed
   float fpart[SAMPLE_THREADS / 32];
   double dpart[SAMPLE_THREADS / 32];
   int64_t ipart[SAMPLE_THREADS / 32];
+  // Published to the cluster: this program's maximum and finiteness, and
+  // its Gumbel winner.
+  float slice_max;
+  int slice_finite;
+  double slice_best;
+  int64_t slice_arg;
   // The radix descent: the key bits fixed so far, the count or mass above
   // them, what must be reached, the bin just picked, all the bins' total.
+  // Every program of the cluster holds the same values.
   uint32_t prefix, mask;
   unsigned long long above, need, total;
   int picked;
 };
 
-// Calls f(value, index) for every logit of row r, 16-byte loads where the
-// row allows them.
+// This program's slice of a row: tokens [lo, hi), their scaled logits
+// (x - mx) / temperature in `cache` when `cached`, else recomputed from `r`.
+struct SampleSlice {
+  const float* r;
+  int64_t lo, hi;
+  float* cache;
+  bool cached;
+  float mx, temperature;
+};
+
+// Calls f(x, i) for every logit x = r[i], i in [lo, hi) (lo a multiple of
+// 4), with 16-byte loads where the row allows them.
 template <typename F>
-__device__ __forceinline__ void each_logit(const float* __restrict__ r, int64_t vocab, F&& f) {
-  if (vocab % 4 == 0 && (reinterpret_cast<uintptr_t>(r) & 15) == 0) {
+__device__ __forceinline__ void each_raw(const float* __restrict__ r, int64_t lo, int64_t hi, F&& f) {
+  int64_t body = lo;
+  if ((reinterpret_cast<uintptr_t>(r) & 15) == 0 && lo % 4 == 0) {
     const float4* r4 = reinterpret_cast<const float4*>(r);
-    for (int64_t c = threadIdx.x; c < vocab / 4; c += SAMPLE_THREADS) {
+    for (int64_t c = lo / 4 + threadIdx.x; c < hi / 4; c += SAMPLE_THREADS) {
       const float4 v = r4[c];
       f(v.x, 4 * c);
       f(v.y, 4 * c + 1);
       f(v.z, 4 * c + 2);
       f(v.w, 4 * c + 3);
     }
+    body = hi - hi % 4;  // >= lo: lo is a multiple of 4
+  }
+  for (int64_t i = body + threadIdx.x; i < hi; i += SAMPLE_THREADS) f(r[i], i);
+}
+
+__device__ __forceinline__ float sample_scale(float x, float mx, float temperature) {
+  return __fdiv_rn(x - mx, temperature);
+}
+
+// Calls f(s, i) for the scaled logit s of every token i of the slice.
+template <typename F>
+__device__ __forceinline__ void each_scaled(const SampleSlice& sl, F&& f) {
+  if (sl.cached) {
+    for (int64_t j = threadIdx.x; j < sl.hi - sl.lo; j += SAMPLE_THREADS) f(sl.cache[j], sl.lo + j);
   } else {
-    for (int64_t i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) f(r[i], i);
+    each_raw(sl.r, sl.lo, sl.hi, [&](float x, int64_t i) { f(sample_scale(x, sl.mx, sl.temperature), i); });
   }
 }
 
@@ -545,8 +636,10 @@ __device__ __forceinline__ unsigned long long mass_target(float top_p, unsigned 
   return ((lo >> sh) | (hi << (64 - sh))) + (rest ? 1ull : 0ull);
 }
 
-// Block max of v (every thread gets it).
-__device__ __forceinline__ float sample_block_max(float v, SampleShared& sh) {
+
+// Block max of v and block and of ok (every thread gets both).
+__device__ __forceinline__ float sample_block_max(float v, bool& ok, SampleShared& sh) {
+  ok = __syncthreads_and(ok);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   if (threadIdx.x % 32 == 0) sh.fpart[threadIdx.x / 32] = v;
@@ -560,15 +653,17 @@ __device__ __forceinline__ float sample_block_max(float v, SampleShared& sh) {
 // One level of a radix descent over the order keys of the kept scaled
 // logits (s >= thr) whose key matches sh.prefix under sh.mask: their counts
 // (MASS false) or quanta (MASS true) by key bits [shift, shift + 8), summed
-// over the copies into sh.bin. Then warp 0 takes, from the top bin down, the
-// first bin at which sh.above plus the bins from the top reach sh.need
-// (with MASS and first, sh.need is set first to mass_target(top_p, total)),
-// fixes its bits in sh.prefix / sh.mask and adds the bins above it to
-// sh.above; sh.picked = the bin, or -1 when none reaches (sh.total short of
-// sh.need). Ends with the block synchronised.
+// over the copies, then over the cluster into sh.all. Then warp 0 of every
+// program takes, from the top bin down, the first bin at which sh.above
+// plus the bins from the top reach sh.need (with MASS and first, sh.need is
+// set first to mass_target(top_p, total)), fixes its bits in sh.prefix /
+// sh.mask and adds the bins above it to sh.above; sh.picked = the bin, or
+// -1 when none reaches (sh.total short of sh.need). `level` counts the
+// levels of the kernel (its parity picks sh.bin's buffer). Ends with the
+// block synchronised.
 template <bool MASS>
-__device__ void radix_level(const float* __restrict__ r, int64_t vocab, float mx, float temperature, float thr,
-                            int shift, bool first, float top_p, SampleShared& sh) {
+__device__ void radix_level(const SampleSlice& sl, float thr, int shift, bool first, float top_p, int& level,
+                            SampleShared& sh) {
   for (int j = threadIdx.x; j < SAMPLE_COPIES * SAMPLE_BINS; j += SAMPLE_THREADS) {
     if (MASS) {
       (&sh.mass[0][0])[j] = 0ull;
@@ -579,8 +674,7 @@ __device__ void radix_level(const float* __restrict__ r, int64_t vocab, float mx
   __syncthreads();
   const uint32_t prefix = sh.prefix, mask = sh.mask;
   const int copy = threadIdx.x % SAMPLE_COPIES;
-  each_logit(r, vocab, [&](float x, int64_t) {
-    const float s = __fdiv_rn(x - mx, temperature);
+  each_scaled(sl, [&](float s, int64_t) {
     const uint32_t k = order_key(s);
     if (s >= thr && (k & mask) == prefix) {
       const uint32_t b = (k >> shift) & (SAMPLE_BINS - 1);
@@ -593,11 +687,19 @@ __device__ void radix_level(const float* __restrict__ r, int64_t vocab, float mx
     }
   });
   __syncthreads();
+  const int par = level & 1;
+  ++level;
   for (int b = threadIdx.x; b < SAMPLE_BINS; b += SAMPLE_THREADS) {
     unsigned long long t = 0ull;
 #pragma unroll
     for (int c = 0; c < SAMPLE_COPIES; ++c) t += MASS ? sh.mass[c][b] : (unsigned long long)sh.count[c][b];
-    sh.bin[b] = t;
+    sh.bin[par][b] = t;
+  }
+  sample_cluster_sync();
+  for (int b = threadIdx.x; b < SAMPLE_BINS; b += SAMPLE_THREADS) {
+    unsigned long long t = 0ull;
+    for (int c = 0; c < SAMPLE_CLUSTER; ++c) t += *sample_peer(&sh.bin[par][b], c);
+    sh.all[b] = t;
   }
   __syncthreads();
   if (threadIdx.x < 32) {
@@ -607,7 +709,7 @@ __device__ void radix_level(const float* __restrict__ r, int64_t vocab, float mx
     static_assert(SAMPLE_BINS == 32 * 8, "eight bins per lane");
     unsigned long long chunk = 0ull;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) chunk += sh.bin[hi - j];
+    for (int j = 0; j < 8; ++j) chunk += sh.all[hi - j];
     unsigned long long incl = chunk;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -631,7 +733,7 @@ __device__ void radix_level(const float* __restrict__ r, int64_t vocab, float mx
       unsigned long long a = base + incl - chunk;
       int b = hi;
       // This lane's bins reach `need`: the loop stops at hi - 7 at the latest.
-      for (; b > hi - 7 && a + sh.bin[b] < need; --b) a += sh.bin[b];
+      for (; b > hi - 7 && a + sh.all[b] < need; --b) a += sh.all[b];
       sh.above = a;
       sh.picked = b;
       sh.prefix = prefix | ((uint32_t)b << shift);
@@ -644,8 +746,8 @@ __device__ void radix_level(const float* __restrict__ r, int64_t vocab, float mx
 // A full radix descent (4 levels of 8 bits): the order key of the cut, or
 // false when level one finds nothing to cut (sh.need beyond sh.total).
 template <bool MASS>
-__device__ bool radix_cut(const float* __restrict__ r, int64_t vocab, float mx, float temperature, float thr,
-                          unsigned long long need, float top_p, SampleShared& sh, uint32_t& key) {
+__device__ bool radix_cut(const SampleSlice& sl, float thr, unsigned long long need, float top_p, int& level,
+                          SampleShared& sh, uint32_t& key) {
   __syncthreads();  // every thread has read the last descent's state
   if (threadIdx.x == 0) {
     sh.prefix = 0u;
@@ -655,7 +757,7 @@ __device__ bool radix_cut(const float* __restrict__ r, int64_t vocab, float mx, 
   }
   __syncthreads();
   for (int shift = 24; shift >= 0; shift -= 8) {
-    radix_level<MASS>(r, vocab, mx, temperature, thr, shift, shift == 24, top_p, sh);
+    radix_level<MASS>(sl, thr, shift, shift == 24, top_p, level, sh);
     if (sh.picked < 0) return false;
     // Top-k: every kept token is within the k largest; nothing to cut.
     if (!MASS && shift == 24 && sh.need >= sh.total) return false;
@@ -664,45 +766,72 @@ __device__ bool radix_cut(const float* __restrict__ r, int64_t vocab, float mx, 
   return true;
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+// The scaled logits of the slice, cached when `cache_cap` floats hold them.
+extern __shared__ __align__(16) float sample_cache[];
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) CPA_SAMPLE_CLUSTER_DIMS
     sample_rows_f32(const float* __restrict__ logits, const uint32_t* __restrict__ params,
-                    uint32_t* __restrict__ out, int64_t vocab) {
+                    uint32_t* __restrict__ out, int64_t vocab, int64_t cache_cap) {
   __shared__ SampleShared sh;
-  const int64_t row = blockIdx.x;
+  const int64_t row = blockIdx.x / cpa_sample_cluster;
+  if (SAMPLE_CLUSTER == 1 && blockIdx.x % cpa_sample_cluster != 0) return;  // before sm_90: one program a row
+  const int rank = sample_rank();
   const float* r = logits + row * vocab;
   const uint32_t* pw = params + row * SAMPLE_PARAM_WORDS;
   const float temperature = __uint_as_float(pw[0]), floor_s = __uint_as_float(pw[1]);
   const uint32_t top_k = pw[2];
   const float top_p = __uint_as_float(pw[3]);
-  // 1. The maximum, and whether the row is finite.
+  int64_t len = (vocab + SAMPLE_CLUSTER - 1) / SAMPLE_CLUSTER;
+  len = (len + 3) / 4 * 4;
+  const int64_t lo = rank * len < vocab ? rank * len : vocab, hi = lo + len < vocab ? lo + len : vocab;
+  SampleSlice sl{r, lo, hi, sample_cache, hi - lo <= cache_cap, 0.f, temperature};
+  // 1. The maximum, and whether the row is finite (the slice's raw logits
+  // go to the cache on the way).
   float mx = __int_as_float(0xff800000);
   bool finite = true;
-  each_logit(r, vocab, [&](float v, int64_t) {
+  each_raw(r, lo, hi, [&](float v, int64_t i) {
     finite &= isfinite(v);
     mx = fmaxf(mx, v);
+    if (sl.cached) sample_cache[i - lo] = v;
   });
-  if (!__syncthreads_and(finite)) {
-    if (threadIdx.x == 0) out[2 * row] = out[2 * row + 1] = 0u;
+  mx = sample_block_max(mx, finite, sh);
+  if (threadIdx.x == 0) {
+    sh.slice_max = mx;
+    sh.slice_finite = finite ? 1 : 0;
+  }
+  sample_cluster_sync();
+  for (int c = 0; c < SAMPLE_CLUSTER; ++c) {
+    mx = fmaxf(mx, *sample_peer(&sh.slice_max, c));
+    finite &= *sample_peer(&sh.slice_finite, c) != 0;
+  }
+  if (!finite) {
+    if (threadIdx.x == 0 && rank == 0) out[2 * row] = out[2 * row + 1] = 0u;
+    sample_cluster_sync();  // no program leaves while another reads its shared memory
     return;
   }
-  mx = sample_block_max(mx, sh);
+  sl.mx = mx;
+  if (sl.cached) {
+    for (int64_t j = threadIdx.x; j < hi - lo; j += SAMPLE_THREADS)
+      sample_cache[j] = sample_scale(sample_cache[j], mx, temperature);
+  }
+  __syncthreads();
   float thr = floor_s;  // keep s >= thr
   uint32_t key;
+  int level = 0;
   // 2. Top-k: the k-th largest scaled logit among those above the floor.
-  if (top_k > 0 && radix_cut<false>(r, vocab, mx, temperature, thr, top_k, 1.f, sh, key)) {
+  if (top_k > 0 && radix_cut<false>(sl, thr, top_k, 1.f, level, sh, key)) {
     thr = fmaxf(thr, from_order_key(key));
   }
   // 3. Top-p: the largest cut whose tokens at or above it reach
   // ceil(top_p * total) quanta of the kept mass.
-  if (top_p < 1.f && radix_cut<true>(r, vocab, mx, temperature, thr, 0ull, top_p, sh, key)) {
+  if (top_p < 1.f && radix_cut<true>(sl, thr, 0ull, top_p, level, sh, key)) {
     thr = fmaxf(thr, from_order_key(key));
   }
   // 4. Gumbel-max over the kept tokens.
   const uint32_t k0 = pw[4], k1 = pw[5], c1 = pw[6], c2 = pw[7];
   double best = -INFINITY;
   int64_t arg = INT64_MAX;
-  each_logit(r, vocab, [&](float x, int64_t i) {
-    const float s = __fdiv_rn(x - mx, temperature);
+  each_scaled(sl, [&](float s, int64_t i) {
     if (!(s >= thr)) return;
     const uint32_t u = philox_first(k0, k1, (uint32_t)i, c1, c2, 0u);
     const double uu = ((double)u + 0.5) / 4294967296.0;
@@ -716,7 +845,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int w = 1; w < SAMPLE_THREADS / 32; ++w) argmax_merge(sh.dpart[w], sh.ipart[w], best, arg);
+    sh.slice_best = best;
+    sh.slice_arg = arg;
+  }
+  sample_cluster_sync();
+  if (threadIdx.x == 0 && rank == 0) {
+    for (int c = 1; c < SAMPLE_CLUSTER; ++c)
+      argmax_merge(*sample_peer(&sh.slice_best, c), *sample_peer(&sh.slice_arg, c), best, arg);
     out[2 * row] = arg == INT64_MAX ? 0u : (uint32_t)arg;
     out[2 * row + 1] = 1u;
   }
+  sample_cluster_sync();  // no program leaves while another reads its shared memory
 }

@@ -12,12 +12,15 @@ use candle_core::{Device, Tensor};
 use candle_paged_attention::{sample_row, sample_rows, RowSampling};
 
 cuda_test! {
-    /// Random logits of small and Llama-3-sized vocabularies, each filter
-    /// alone and together: the device picks the reference's token for
-    /// every (row, step): top-p's masses are exact integers on both sides.
+    /// Random logits of small, Llama-3-sized and larger vocabularies (a
+    /// slice of 400,000 / 8 tokens is past the kernel's shared-memory cache,
+    /// so those rows take the recomputing path; 7 and 400,001 are
+    /// unaligned rows), each filter alone and together: the device picks
+    /// the reference's token for every (row, step): top-p's masses are
+    /// exact integers on both sides.
     fn device_tokens_equal_the_reference(
         dev: &Device,
-        #[values(7, 1000, 128256)] vocab: usize,
+        #[values(7, 1000, 128256, 400_000, 400_001)] vocab: usize,
     ) -> Result<()> {
         let rows = 6;
         let logits = (Tensor::randn(0f32, 3., (rows, vocab), &Device::Cpu)? * 1.0)?;

@@ -13,8 +13,8 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
 use super::buffers::{alloc_poisoned, float_name};
 use super::layer_shapes::{
-    skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SAMPLE_PARAM_WORDS,
-    SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
+    skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SAMPLE_CACHE_MAX_BYTES,
+    SAMPLE_CLUSTER, SAMPLE_PARAM_WORDS, SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
 };
 use super::{device_address, function, LAYER_MODULE};
 use crate::params::GatedActivation;
@@ -323,7 +323,23 @@ pub(crate) fn sample_rows(
     if rows == 0 {
         return Ok(out);
     }
-    let func = function(&dev, "sample_rows_f32", &LAYER_MODULE, 0)?;
+    // SAMPLE_CLUSTER programs per row, each over a slice of the row that it
+    // keeps in shared memory when the slice fits SAMPLE_CACHE_MAX_BYTES.
+    let Some(programs) = rows.checked_mul(SAMPLE_CLUSTER as usize) else {
+        bail!("{op}: {rows} rows is too many");
+    };
+    let slice = vocab.div_ceil(SAMPLE_CLUSTER as usize).next_multiple_of(4);
+    let cache_floats = if slice * 4 <= SAMPLE_CACHE_MAX_BYTES {
+        slice
+    } else {
+        0
+    };
+    let func = function(
+        &dev,
+        "sample_rows_f32",
+        &LAYER_MODULE,
+        SAMPLE_CACHE_MAX_BYTES,
+    )?;
     // The guards end with this block, before `out` is returned.
     {
         let (in_addr, _in_sync) = device_address(logits.0, logits.1, &stream);
@@ -332,19 +348,24 @@ pub(crate) fn sample_rows(
         let Ok(vocab_i) = i64::try_from(vocab) else {
             bail!("{op}: a vocabulary of {vocab} does not fit 64-bit offsets");
         };
+        // Both fit: slice <= vocab / 8 + 4 and cache_floats <= 40 Ki.
+        let cache_cap = cache_floats as i64;
         let cfg = LaunchConfig {
-            grid_dim: (grid(op, rows)?, 1, 1),
+            grid_dim: (grid(op, programs)?, 1, 1),
             block_dim: (SAMPLE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: (cache_floats * 4) as u32,
         };
         let mut b = stream.launch_builder(&func);
         b.arg(&in_addr);
         b.arg(&p_addr);
         b.arg(&out_addr);
         b.arg(&vocab_i);
+        b.arg(&cache_cap);
         // SAFETY: `logits` holds rows * vocab f32 values, `params` rows *
         // SAMPLE_PARAM_WORDS u32 and `out` 2 * rows u32 (checked above and by
-        // the op); the guards keep them alive and ordered past the launch.
+        // the op); the launch gives each program cache_cap floats of dynamic
+        // shared memory, within the limit `function` raised the kernel to;
+        // the guards keep the buffers alive and ordered past the launch.
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok(out)

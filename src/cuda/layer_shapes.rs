@@ -12,8 +12,19 @@ pub(crate) const ACT_THREADS: u32 = 256;
 /// Threads of a greedy-token program (one per row of logits).
 pub(crate) const GREEDY_THREADS: u32 = 512;
 
-/// Threads of a sampling program (one per row of logits).
+/// Threads of a sampling program (`SAMPLE_CLUSTER` programs per row of
+/// logits).
 pub(crate) const SAMPLE_THREADS: u32 = 1024;
+
+/// Programs per row of a sampling launch: one thread block cluster on
+/// sm_90 and later (kernels/layer_ops.cu, `sample_rows_f32`), of which only
+/// the first works before sm_90. At most 8 (a portable cluster).
+pub(crate) const SAMPLE_CLUSTER: u32 = 8;
+
+/// The most dynamic shared memory (bytes) a sampling program takes to keep
+/// its slice's scaled logits (f32, `ceil(vocab / SAMPLE_CLUSTER)` rounded up
+/// to 4): larger slices are recomputed from the logits in every pass.
+pub(crate) const SAMPLE_CACHE_MAX_BYTES: usize = 160 * 1024;
 
 /// u32 words of one row's sampling parameters (kernels/layer_ops.cu,
 /// `sample_rows_f32`).
