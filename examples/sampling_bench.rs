@@ -11,8 +11,7 @@
 //! are; large ones are peaked, as a trained model's usually are): after a
 //! warm-up, `--iters` calls back to back between two synchronisations.
 //! Reported: µs per call of greedy, of temperature-only sampling, of
-//! top-p 0.95 and of top-k 50 with top-p 0.95 (all at temperature 0.8), and
-//! the logits' bytes read per µs.
+//! top-p 0.95 and of top-k 50 with top-p 0.95 (all at temperature 0.8).
 
 use std::time::Instant;
 

@@ -334,6 +334,8 @@ pub(crate) fn sample_rows(
     } else {
         0
     };
+    // Both fit: cache_floats <= SAMPLE_CACHE_MAX_BYTES / 4 = 40 Ki.
+    let (cache_cap, cache_bytes) = (cache_floats as i64, (cache_floats * 4) as u32);
     let func = function(
         &dev,
         "sample_rows_f32",
@@ -348,12 +350,10 @@ pub(crate) fn sample_rows(
         let Ok(vocab_i) = i64::try_from(vocab) else {
             bail!("{op}: a vocabulary of {vocab} does not fit 64-bit offsets");
         };
-        // Both fit: slice <= vocab / 8 + 4 and cache_floats <= 40 Ki.
-        let cache_cap = cache_floats as i64;
         let cfg = LaunchConfig {
             grid_dim: (grid(op, programs)?, 1, 1),
             block_dim: (SAMPLE_THREADS, 1, 1),
-            shared_mem_bytes: (cache_floats * 4) as u32,
+            shared_mem_bytes: cache_bytes,
         };
         let mut b = stream.launch_builder(&func);
         b.arg(&in_addr);
