@@ -528,12 +528,24 @@ __device__ __forceinline__ const T* sample_peer(const T* p, int rank) {
 // most 32 / SAMPLE_COPIES lanes of a warp meet on one counter.
 constexpr int SAMPLE_COPIES = 8;
 constexpr int SAMPLE_BINS = 256;  // 8 key bits per level, 4 levels
+// A level histograms its slice in chunks of SAMPLE_CHUNK tokens (at most
+// 28 per thread, 29 with a row's unaligned tail), folding each chunk's
+// 32-bit counters into 64-bit bins: a counter takes at most 29 *
+// SAMPLE_THREADS / SAMPLE_COPIES additions of at most 2^SAMPLE_MASS_SPLIT,
+// which fit 32 bits.
+constexpr int SAMPLE_MASS_SPLIT = 20;
+constexpr int64_t SAMPLE_CHUNK = 7 * 4 * SAMPLE_THREADS;
+static_assert(cpa_mass_fraction_bits - SAMPLE_MASS_SPLIT <= SAMPLE_MASS_SPLIT, "a quantum's high part <= 2^split");
+static_assert((SAMPLE_CHUNK / SAMPLE_THREADS + 1) * (SAMPLE_THREADS / SAMPLE_COPIES) * (1ll << SAMPLE_MASS_SPLIT) <=
+                  0xffffffffll,
+              "a chunk's sums fit the 32-bit counters");
 
 struct SampleShared {
-  union {
-    uint32_t count[SAMPLE_COPIES][SAMPLE_BINS];
-    unsigned long long mass[SAMPLE_COPIES][SAMPLE_BINS];
-  };
+  // A chunk's counts (top-k), or its quanta split in two 32-bit halves
+  // (top-p: q = hi * 2^SAMPLE_MASS_SPLIT + lo): 32-bit shared-memory
+  // atomics are native, 64-bit ones a compare-and-swap loop.
+  uint32_t lo[SAMPLE_COPIES][SAMPLE_BINS];
+  uint32_t hi[SAMPLE_COPIES][SAMPLE_BINS];
   // This program's bins (the copies summed), by the parity of the level:
   // read by the whole cluster after a cluster barrier, and written again
   // two levels later, after the next barrier has passed.
@@ -589,13 +601,14 @@ __device__ __forceinline__ float sample_scale(float x, float mx, float temperatu
   return __fdiv_rn(x - mx, temperature);
 }
 
-// Calls f(s, i) for the scaled logit s of every token i of the slice.
+// Calls f(s, i) for the scaled logit s of every token i in [a, b) (a
+// multiple of 4 within the slice).
 template <typename F>
-__device__ __forceinline__ void each_scaled(const SampleSlice& sl, F&& f) {
+__device__ __forceinline__ void each_scaled(const SampleSlice& sl, int64_t a, int64_t b, F&& f) {
   if (sl.cached) {
-    for (int64_t j = threadIdx.x; j < sl.hi - sl.lo; j += SAMPLE_THREADS) f(sl.cache[j], sl.lo + j);
+    for (int64_t j = a - sl.lo + threadIdx.x; j < b - sl.lo; j += SAMPLE_THREADS) f(sl.cache[j], sl.lo + j);
   } else {
-    each_raw(sl.r, sl.lo, sl.hi, [&](float x, int64_t i) { f(sample_scale(x, sl.mx, sl.temperature), i); });
+    each_raw(sl.r, a, b, [&](float x, int64_t i) { f(sample_scale(x, sl.mx, sl.temperature), i); });
   }
 }
 
@@ -664,36 +677,45 @@ __device__ __forceinline__ float sample_block_max(float v, bool& ok, SampleShare
 template <bool MASS>
 __device__ void radix_level(const SampleSlice& sl, float thr, int shift, bool first, float top_p, int& level,
                             SampleShared& sh) {
-  for (int j = threadIdx.x; j < SAMPLE_COPIES * SAMPLE_BINS; j += SAMPLE_THREADS) {
-    if (MASS) {
-      (&sh.mass[0][0])[j] = 0ull;
-    } else {
-      (&sh.count[0][0])[j] = 0u;
-    }
-  }
-  __syncthreads();
-  const uint32_t prefix = sh.prefix, mask = sh.mask;
-  const int copy = threadIdx.x % SAMPLE_COPIES;
-  each_scaled(sl, [&](float s, int64_t) {
-    const uint32_t k = order_key(s);
-    if (s >= thr && (k & mask) == prefix) {
-      const uint32_t b = (k >> shift) & (SAMPLE_BINS - 1);
-      if (MASS) {
-        const unsigned long long q = mass_quanta(s);
-        if (q != 0ull) atomicAdd(&sh.mass[copy][b], q);
-      } else {
-        atomicAdd(&sh.count[copy][b], 1u);
-      }
-    }
-  });
-  __syncthreads();
   const int par = level & 1;
   ++level;
-  for (int b = threadIdx.x; b < SAMPLE_BINS; b += SAMPLE_THREADS) {
-    unsigned long long t = 0ull;
+  // sh.bin[par] was last read by the cluster two levels ago, before the
+  // last level's cluster barrier.
+  for (int b = threadIdx.x; b < SAMPLE_BINS; b += SAMPLE_THREADS) sh.bin[par][b] = 0ull;
+  const uint32_t prefix = sh.prefix, mask = sh.mask;
+  const int copy = threadIdx.x % SAMPLE_COPIES;
+  for (int64_t a = sl.lo; a < sl.hi; a += SAMPLE_CHUNK) {
+    for (int j = threadIdx.x; j < SAMPLE_COPIES * SAMPLE_BINS; j += SAMPLE_THREADS) {
+      (&sh.lo[0][0])[j] = 0u;
+      if (MASS) (&sh.hi[0][0])[j] = 0u;
+    }
+    __syncthreads();
+    each_scaled(sl, a, a + SAMPLE_CHUNK < sl.hi ? a + SAMPLE_CHUNK : sl.hi, [&](float s, int64_t) {
+      const uint32_t k = order_key(s);
+      if (s >= thr && (k & mask) == prefix) {
+        const uint32_t b = (k >> shift) & (SAMPLE_BINS - 1);
+        if (MASS) {
+          const unsigned long long q = mass_quanta(s);
+          const uint32_t qlo = (uint32_t)(q & ((1ull << SAMPLE_MASS_SPLIT) - 1ull)),
+                         qhi = (uint32_t)(q >> SAMPLE_MASS_SPLIT);
+          if (qlo != 0u) atomicAdd(&sh.lo[copy][b], qlo);
+          if (qhi != 0u) atomicAdd(&sh.hi[copy][b], qhi);
+        } else {
+          atomicAdd(&sh.lo[copy][b], 1u);
+        }
+      }
+    });
+    __syncthreads();
+    for (int b = threadIdx.x; b < SAMPLE_BINS; b += SAMPLE_THREADS) {
+      unsigned long long t = 0ull;
 #pragma unroll
-    for (int c = 0; c < SAMPLE_COPIES; ++c) t += MASS ? sh.mass[c][b] : (unsigned long long)sh.count[c][b];
-    sh.bin[par][b] = t;
+      for (int c = 0; c < SAMPLE_COPIES; ++c) {
+        t += sh.lo[c][b];
+        if (MASS) t += (unsigned long long)sh.hi[c][b] << SAMPLE_MASS_SPLIT;
+      }
+      sh.bin[par][b] += t;
+    }
+    __syncthreads();  // the counters are read before the next chunk zeroes them
   }
   sample_cluster_sync();
   for (int b = threadIdx.x; b < SAMPLE_BINS; b += SAMPLE_THREADS) {
@@ -831,7 +853,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) CPA_SAMPLE_CLUSTER_
   const uint32_t k0 = pw[4], k1 = pw[5], c1 = pw[6], c2 = pw[7];
   double best = -INFINITY;
   int64_t arg = INT64_MAX;
-  each_scaled(sl, [&](float s, int64_t i) {
+  each_scaled(sl, sl.lo, sl.hi, [&](float s, int64_t i) {
     if (!(s >= thr)) return;
     const uint32_t u = philox_first(k0, k1, (uint32_t)i, c1, c2, 0u);
     const double uu = ((double)u + 0.5) / 4294967296.0;

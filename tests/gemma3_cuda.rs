@@ -6,7 +6,15 @@
 //! * bf16 follows f32: teacher-forced along the f32 model's greedy tokens,
 //!   the logits agree to within `TOL` (the bf16 rounding of the activations,
 //!   then each layer's 8-bit activation quantization rounding differently;
-//!   the same test on the CPU sees at most 1.8), each bf16 greedy token
+//!   the same test on the CPU sees at most 1.8; the CUDA attention kernels
+//!   also round the probabilities to bf16 for their tensor-core product
+//!   with V, as FlashAttention does, which the CPU path does not: on an
+//!   H100 the 600-token prompt's largest difference was 3.14 with the
+//!   default kernels, 1.68 with the mma.sync prefill instances
+//!   (`CANDLE_PAGED_ATTENTION_WGMMA=0`) and 1.88 with the unified decode
+//!   instances (`CANDLE_PAGED_ATTENTION_STREAM=0`), every token equal in
+//!   the three; prompts of at most 120 tokens gave at most 1.90 and the
+//!   530-token one 2.27 to 2.58, so `TOL` is 3.5), each bf16 greedy token
 //!   equals f32's wherever f32's top two logits are more than `2 * TOL`
 //!   apart, and the engine's eager bf16 tokens equal f32's up to the first
 //!   step whose teacher-forced bf16 token differs (then that step's token is
@@ -43,7 +51,7 @@ const NEW_TOKENS: usize = 24;
 /// Every prompt prefilled in the first step, in the engine as in
 /// `paged_logits`.
 const BUDGET: usize = 2048;
-const TOL: f32 = 3.0;
+const TOL: f32 = 3.5;
 
 fn cache_config() -> CacheConfig {
     CacheConfig {

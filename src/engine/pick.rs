@@ -6,13 +6,11 @@
 //!
 //! On a CUDA device, `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING` says which
 //! rows the crate's own picking kernels take ([`DevicePicking`]): by
-//! default the plain greedy rows go to the greedy kernel and every other
-//! row (a penalty or a draw) comes to the host in one copy, where the same
-//! definition picks its token; `1` picks every row on the device
-//! (penalties, the greedy kernel and the sampling kernel); `0` uses none
-//! of them (candle's argmax for the plain greedy rows). The tokens are the
-//! same in all three; the sampling kernel's latest edit has not yet run
-//! under the race checker, so it is not the default.
+//! default every row (penalties, the greedy kernel and the sampling
+//! kernel); `greedy` only the plain greedy rows, every other row (a
+//! penalty or a draw) coming to the host in one copy, where the same
+//! definition picks its token; `0` none of them (candle's argmax for the
+//! plain greedy rows). The tokens are the same in all three.
 
 use candle_core::{bail, DType, Result, Tensor, D};
 
@@ -65,18 +63,19 @@ enum DevicePicking {
     /// `0`: none (candle's argmax for plain greedy rows, the host for the
     /// others).
     Off,
-    /// Unset, or any other value: the greedy kernel for plain greedy rows,
-    /// the host for the others.
+    /// `greedy`: the greedy kernel for plain greedy rows, the host for the
+    /// others.
     Greedy,
-    /// `1`: every row (penalties, the greedy and the sampling kernel).
+    /// Unset, or any other value: every row (penalties, the greedy and the
+    /// sampling kernel).
     All,
 }
 
 fn device_picking() -> DevicePicking {
     match std::env::var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING").as_deref() {
         Ok("0") => DevicePicking::Off,
-        Ok("1") => DevicePicking::All,
-        _ => DevicePicking::Greedy,
+        Ok("greedy") => DevicePicking::Greedy,
+        _ => DevicePicking::All,
     }
 }
 
