@@ -51,7 +51,8 @@ mod cuda {
 
     use super::layer_shapes::{
         skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SAMPLE_CLUSTER,
-        SAMPLE_PARAM_WORDS, SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
+        SAMPLE_PARAM_WORDS, SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_MMA_ROWS, SKINNY_MMA_WARPS,
+        SKINNY_THREADS,
     };
     use super::sample_mass::{
         MASS_EXP_TAYLOR, MASS_FRACTION_BITS, MASS_LN2_HI, MASS_LN2_LO, MASS_LOG2_E, MASS_MAX_VOCAB,
@@ -87,6 +88,14 @@ mod cuda {
         writeln!(out, "constexpr int cpa_norm_threads = {NORM_THREADS};")?;
         writeln!(out, "constexpr int cpa_act_threads = {ACT_THREADS};")?;
         writeln!(out, "constexpr int cpa_skinny_threads = {SKINNY_THREADS};")?;
+        writeln!(
+            out,
+            "constexpr int cpa_skinny_mma_warps = {SKINNY_MMA_WARPS};"
+        )?;
+        writeln!(
+            out,
+            "constexpr int cpa_skinny_mma_rows = {SKINNY_MMA_ROWS};"
+        )?;
         writeln!(out, "constexpr int cpa_greedy_threads = {GREEDY_THREADS};")?;
         writeln!(out, "constexpr int cpa_sample_threads = {SAMPLE_THREADS};")?;
         writeln!(out, "constexpr int cpa_sample_cluster = {SAMPLE_CLUSTER};")?;

@@ -18,7 +18,8 @@
 //! about 3.0), so large weights can show more than 100%: compare the two
 //! sides' shares, not a share with 100%.
 //! `CANDLE_PAGED_ATTENTION_SKINNY_MATMUL` does not apply here: both sides
-//! are called directly.
+//! are called directly. `CANDLE_PAGED_ATTENTION_SKINNY_KERNEL=fma` runs
+//! the FMA kernel on the skinny side instead of the tensor-core one.
 
 use std::time::Instant;
 

@@ -347,6 +347,101 @@ CPA_SKINNY_ALL(__half, f16)
 CPA_SKINNY_ALL(__nv_bfloat16, bf16)
 static_assert(cpa_skinny_max_rows == 8, "one skinny_matmul instance per row count up to the maximum");
 
+// `skinny_mma_{t}`: the same product, y (m, n) = x (m, k) . w^T, for
+// 1 <= m <= 8 rows of x, on the tensor cores: each program computes 16
+// outputs (rows of w) for every row of x as one m16n8k16 tile per 16 k,
+// w the A operand (16 rows) and x the B operand (8 columns, those past m
+// zero), f32 accumulators. The k range is split over the program's
+// SKINNY_MMA_WARPS warps (64-k chunks dealt out in turn, so the warps read
+// neighbouring lines together) and their partial tiles summed in shared
+// memory, rounded once to T: a projection of n outputs runs n / 16
+// programs of SKINNY_MMA_WARPS warps, enough to keep every SM streaming
+// even for n = 4,096. Since a dot product may take its k terms in any
+// order, lane (g, c) loads 16-byte vectors at k = 16c .. 16c + 15 of a
+// chunk from rows g and g + 8 of w and row g of x, and feeds their pairs
+// to the four MMAs of the chunk as if they were the fragment's k = 2c,
+// 2c + 1, 2c + 8, 2c + 9: the same permutation on both operands. Needs
+// k % 8 == 0 and 16-byte aligned x and w (checked by the launch); vectors
+// past k read as zero. NaN and infinity propagate as in a matmul.
+constexpr int SKINNY_MMA_WARPS = cpa_skinny_mma_warps;
+constexpr int SKINNY_MMA_ROWS = cpa_skinny_mma_rows;  // outputs per program
+static_assert(SKINNY_MMA_ROWS == 16, "one m16n8k16 tile of outputs per program");
+constexpr int SKINNY_MMA_U = 2;      // 64-k chunks of each warp in flight
+static_assert(cpa_skinny_max_rows <= 8, "x's rows fit the MMA's 8 columns");
+
+template <typename T>
+__device__ __forceinline__ void skinny_mma_body(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                                                int m, int64_t n, int64_t k) {
+  __shared__ float part[SKINNY_MMA_WARPS][32][4];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, c = lane % 4;
+  const int64_t row0 = (int64_t)blockIdx.x * SKINNY_MMA_ROWS;
+  const int64_t kv = k / 8;  // 16-byte vectors per row
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  // Rows past n read row n - 1 (in bounds); their sums are not written.
+  const int64_t ra = row0 + g < n ? row0 + g : n - 1, rb = row0 + g + 8 < n ? row0 + g + 8 : n - 1;
+  const uint4* wa = wv + ra * kv;
+  const uint4* wb = wv + rb * kv;
+  const uint4* xg = xv + (int64_t)(g < m ? g : 0) * kv;
+  const bool x_on = g < m;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const int64_t chunks = (k + 63) / 64;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int64_t ch0 = warp; ch0 < chunks; ch0 += (int64_t)SKINNY_MMA_WARPS * SKINNY_MMA_U) {
+    uint4 va[SKINNY_MMA_U][2], vb[SKINNY_MMA_U][2], vx[SKINNY_MMA_U][2];
+#pragma unroll
+    for (int u = 0; u < SKINNY_MMA_U; ++u) {
+      const int64_t ch = ch0 + (int64_t)u * SKINNY_MMA_WARPS;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t v = ch * 8 + 2 * c + h;  // the 16-byte vector at k = 64 ch + 16 c + 8 h
+        const bool ok = ch < chunks && v < kv;
+        va[u][h] = ok ? load_stream(wa + v) : zero;
+        vb[u][h] = ok ? load_stream(wb + v) : zero;
+        vx[u][h] = ok && x_on ? __ldg(xg + v) : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < SKINNY_MMA_U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t pa[4] = {va[u][h].x, va[u][h].y, va[u][h].z, va[u][h].w};
+        const uint32_t pb[4] = {vb[u][h].x, vb[u][h].y, vb[u][h].z, vb[u][h].w};
+        const uint32_t px[4] = {vx[u][h].x, vx[u][h].y, vx[u][h].z, vx[u][h].w};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          // Fragment k = 2c, 2c + 1 <- pair 2j; k = 2c + 8, 2c + 9 <- pair 2j + 1.
+          const uint32_t a[4] = {pa[2 * j], pb[2 * j], pa[2 * j + 1], pb[2 * j + 1]};
+          mma_16816<T>(acc, a, px[2 * j], px[2 * j + 1]);
+        }
+      }
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) part[warp][lane][e] = acc[e];
+  __syncthreads();
+  // Thread t < 128 sums element t % 4 of lane t / 4 over the warps: output
+  // row g + 8 (e / 2) of the tile, row 2c + e % 2 of x.
+  if (threadIdx.x < 128) {
+    const int l = threadIdx.x / 4, e = threadIdx.x % 4;
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < SKINNY_MMA_WARPS; ++q) s += part[q][l][e];
+    const int64_t out_row = row0 + l / 4 + 8 * (e / 2);
+    const int xr = 2 * (l % 4) + e % 2;
+    if (xr < m && out_row < n) y[(int64_t)xr * n + out_row] = from_f32<T>(s);
+  }
+}
+
+#define CPA_SKINNY_MMA(T, TNAME)                                                                       \
+  extern "C" __global__ void __launch_bounds__(SKINNY_MMA_WARPS * 32)                                  \
+      skinny_mma_##TNAME(const T* x, const T* w, T* y, int m, int64_t n, int64_t k) {                  \
+    skinny_mma_body<T>(x, w, y, m, n, k);                                                              \
+  }
+CPA_SKINNY_MMA(__half, f16)
+CPA_SKINNY_MMA(__nv_bfloat16, bf16)
+static_assert(SKINNY_MMA_WARPS * 32 >= 128, "the first 128 threads write the tile");
+
 // ---- greedy tokens ---------------------------------------------------------------
 // `greedy_rows_f32`: for each row of `logits` (rows, vocab) f32, one program
 // of GREEDY_THREADS threads writes out[2 * row] = the index of the row's
@@ -477,6 +572,25 @@ __device__ __forceinline__ uint32_t philox_first(uint32_t k0, uint32_t k1, uint3
     c3 = lo0;
   }
   return c0;
+}
+
+// An f32 estimate of the Gumbel term -log(-log(uu)), uu = (u + 0.5) / 2^32,
+// within GUMBEL_ERR of the f64 value. a = -log(uu) to a relative 4e-7:
+// below one half, logf (1 ulp) of uu rounded twice to f32 (2^-23); above,
+// log1pf (1 ulp) of -(1 - uu), whose numerator 2^32 - 0.5 - u rounds to
+// f32 the same way, where uu itself would lose it. Then logf of a adds 1
+// ulp of |log a| <= 23 (2^-19): below 2.4e-6 in all. For |s| up to
+// GUMBEL_ESTIMATE_RANGE an f64 sum s + g rounds by under 2^-32, so two
+// estimates of s + g further apart than GUMBEL_BAND (more than twice both
+// errors) order the exact keys the same way.
+constexpr float GUMBEL_ERR = 3e-6f;
+constexpr float GUMBEL_ESTIMATE_RANGE = 0x1p20f;
+constexpr double GUMBEL_BAND = 1e-4;
+static_assert(GUMBEL_BAND > 2.0 * (GUMBEL_ERR + 0x1p-32), "the band covers both estimates' errors");
+__device__ __forceinline__ float gumbel_estimate(uint32_t u) {
+  const float a = u < 0x80000000u ? -logf(((float)u + 0.5f) * 0x1p-32f)
+                                  : -log1pf(-((float)(0xffffffffu - u) + 0.5f) * 0x1p-32f);
+  return -logf(a);
 }
 
 // The programs of one row: a cluster of SAMPLE_CLUSTER on sm_90 and later,
@@ -849,16 +963,50 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) CPA_SAMPLE_CLUSTER_
   if (top_p < 1.f && radix_cut<true>(sl, thr, 0ull, top_p, level, sh, key)) {
     thr = fmaxf(thr, from_order_key(key));
   }
-  // 4. Gumbel-max over the kept tokens.
+  // 4. Gumbel-max over the kept tokens: the key of token i is the host's,
+  // s - log(-log(u)) in f64, but only for tokens that may win. Each thread
+  // first takes an f32 estimate of the Gumbel term (gumbel_estimate, within
+  // GUMBEL_ERR of the f64 one) and keeps one candidate, the token of its
+  // largest estimate so far: a token whose estimate is GUMBEL_BAND below
+  // the candidate's cannot beat it, one GUMBEL_BAND above replaces it, and
+  // a token within the band of the candidate (a near tie, rare) has both
+  // keys computed exactly. The thread's exact winner is therefore the
+  // best of the near ties' and the last candidate's exact keys. Scaled
+  // logits below -GUMBEL_ESTIMATE_RANGE (s <= 0 always) skip the estimate.
+  // Returns the same tokens as computing every key exactly.
   const uint32_t k0 = pw[4], k1 = pw[5], c1 = pw[6], c2 = pw[7];
-  double best = -INFINITY;
-  int64_t arg = INT64_MAX;
-  each_scaled(sl, sl.lo, sl.hi, [&](float s, int64_t i) {
-    if (!(s >= thr)) return;
+  const auto exact_key = [&](float s, int64_t i) {
     const uint32_t u = philox_first(k0, k1, (uint32_t)i, c1, c2, 0u);
     const double uu = ((double)u + 0.5) / 4294967296.0;
-    argmax_merge((double)s - log(-log(uu)), i, best, arg);
+    return (double)s - log(-log(uu));
+  };
+  double best = -INFINITY, cand_est = -INFINITY;
+  int64_t arg = INT64_MAX, cand_i = -1;
+  float cand_s = 0.f;
+  each_scaled(sl, sl.lo, sl.hi, [&](float s, int64_t i) {
+    if (!(s >= thr)) return;
+    if (!(s >= -GUMBEL_ESTIMATE_RANGE)) {
+      // Beyond the range where f64 sums resolve the band (a tiny
+      // temperature), or -inf: the exact key.
+      argmax_merge(exact_key(s, i), i, best, arg);
+      return;
+    }
+    const double est = (double)s + (double)gumbel_estimate(philox_first(k0, k1, (uint32_t)i, c1, c2, 0u));
+    if (est > cand_est + GUMBEL_BAND) {
+      cand_est = est;
+      cand_i = i;
+      cand_s = s;
+    } else if (est >= cand_est - GUMBEL_BAND) {
+      if (cand_i >= 0) argmax_merge(exact_key(cand_s, cand_i), cand_i, best, arg);
+      argmax_merge(exact_key(s, i), i, best, arg);
+      if (est > cand_est) {
+        cand_est = est;
+        cand_i = i;
+        cand_s = s;
+      }
+    }
   });
+  if (cand_i >= 0) argmax_merge(exact_key(cand_s, cand_i), cand_i, best, arg);
   warp_argmax(best, arg);
   if (threadIdx.x % 32 == 0) {
     sh.dpart[threadIdx.x / 32] = best;

@@ -14,8 +14,10 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result};
 use super::buffers::{alloc_poisoned, float_name};
 use super::layer_shapes::{
     skinny_cols_per_warp, ACT_THREADS, GREEDY_THREADS, NORM_THREADS, SAMPLE_CACHE_MAX_BYTES,
-    SAMPLE_CLUSTER, SAMPLE_PARAM_WORDS, SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_THREADS,
+    SAMPLE_CLUSTER, SAMPLE_PARAM_WORDS, SAMPLE_THREADS, SKINNY_MAX_ROWS, SKINNY_MMA_ROWS,
+    SKINNY_MMA_WARPS, SKINNY_THREADS,
 };
+use super::policy::{LaunchPolicy, SkinnyKernel};
 use super::{device_address, function, LAYER_MODULE};
 use crate::params::GatedActivation;
 
@@ -188,7 +190,9 @@ pub(crate) fn gated(
 
 /// `x · wᵀ` of `x` `(m, k)` and `w` `(n, k)`, both contiguous, of one
 /// 16-bit dtype, with `1 <= m <= SKINNY_MAX_ROWS`, `k > 0` and `k % 8 == 0`; both
-/// must start 16-byte aligned. Returns `(m, n)` of that dtype.
+/// must start 16-byte aligned. Returns `(m, n)` of that dtype. Runs the
+/// tensor-core kernel (`skinny_mma_{t}`, 16 outputs per program) unless
+/// the launch policy says `fma` (`skinny_matmul_{t}_m{m}`).
 pub(crate) fn skinny_matmul(
     op: &str,
     x: (&CudaStorage, &Layout),
@@ -217,7 +221,21 @@ pub(crate) fn skinny_matmul(
     if n == 0 {
         return Ok(out);
     }
-    let func = function(&dev, &format!("skinny_matmul_{t}_m{m}"), &LAYER_MODULE, 0)?;
+    let mma = LaunchPolicy::current().skinny == SkinnyKernel::Mma;
+    let (name, per_program, threads) = if mma {
+        (
+            format!("skinny_mma_{t}"),
+            SKINNY_MMA_ROWS,
+            SKINNY_MMA_WARPS * 32,
+        )
+    } else {
+        (
+            format!("skinny_matmul_{t}_m{m}"),
+            (SKINNY_THREADS as usize / 32) * skinny_cols_per_warp(m),
+            SKINNY_THREADS,
+        )
+    };
+    let func = function(&dev, &name, &LAYER_MODULE, 0)?;
     // The guards end with this block, before `out` is returned.
     {
         let (x_addr, _x_sync) = device_address(x.0, x.1, &stream);
@@ -229,16 +247,19 @@ pub(crate) fn skinny_matmul(
         let (Ok(n_i), Ok(k_i)) = (i64::try_from(n), i64::try_from(k)) else {
             bail!("{op}: {n} x {k} does not fit 64-bit offsets");
         };
-        let per_program = (SKINNY_THREADS as usize / 32) * skinny_cols_per_warp(m);
+        let m_i = m as i32; // <= SKINNY_MAX_ROWS
         let cfg = LaunchConfig {
             grid_dim: (grid(op, n.div_ceil(per_program))?, 1, 1),
-            block_dim: (SKINNY_THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = stream.launch_builder(&func);
         b.arg(&x_addr);
         b.arg(&w_addr);
         b.arg(&y_addr);
+        if mma {
+            b.arg(&m_i);
+        }
         b.arg(&n_i);
         b.arg(&k_i);
         // SAFETY: `x` holds m * k, `w` n * k and `out` m * n elements of the

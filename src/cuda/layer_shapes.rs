@@ -33,6 +33,13 @@ pub(crate) const SAMPLE_PARAM_WORDS: usize = 8;
 /// Threads of a skinny-matmul program.
 pub(crate) const SKINNY_THREADS: u32 = 128;
 
+/// Warps of a tensor-core skinny-matmul program (`skinny_mma_*`): they
+/// split the k range of the program's 16 outputs.
+pub(crate) const SKINNY_MMA_WARPS: u32 = 8;
+
+/// Outputs (rows of the weight) of a tensor-core skinny-matmul program.
+pub(crate) const SKINNY_MMA_ROWS: usize = 16;
+
 /// Outputs (rows of the weight) each warp of a skinny matmul of `m` rows
 /// of x computes: more for more rows, so that each 16-byte load of x from
 /// L1 serves more weight rows.

@@ -1,5 +1,6 @@
 //! The launch policy: which kernel instances and launch arrangements the
-//! plans of `PagedAttention` may take. One value, read from the environment
+//! plans of `PagedAttention` may take, and which kernel a skinny matmul
+//! runs. One value, read from the environment
 //! once per process ([`LaunchPolicy::current`]) and passed to the planner,
 //! so that tests and the benchmark cover each path by setting variables,
 //! and host tests build any policy directly ([`LaunchPolicy::from_vars`]).
@@ -11,6 +12,7 @@
 //! | `CANDLE_PAGED_ATTENTION_PREFILL_ROWS` | `64`, `128`, else free | [`prefill_rows`](LaunchPolicy::prefill_rows) |
 //! | `CANDLE_PAGED_ATTENTION_SPLIT_MERGE` | `launch`, `reduce`, else by kernel | [`split_merge`](LaunchPolicy::split_merge) |
 //! | `CANDLE_PAGED_ATTENTION_OVERLAP` | `0`, `decode-first`, else prefill first | [`overlap`](LaunchPolicy::overlap) |
+//! | `CANDLE_PAGED_ATTENTION_SKINNY_KERNEL` | `fma`, else `mma` | [`skinny`](LaunchPolicy::skinny) |
 //!
 //! A leaf of the CUDA modules: imports nothing of the crate.
 
@@ -53,6 +55,18 @@ pub(crate) enum Overlap {
     DecodeFirst,
 }
 
+/// Which kernel a skinny matmul (`skinny_matmul`) runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SkinnyKernel {
+    /// `fma`: warps of f32 FMAs over R weight rows each
+    /// (`skinny_matmul_{t}_m{M}`), the kernel before the tensor-core one.
+    Fma,
+    /// The default: one m16n8k16 tile of 16 weight rows per program, the k
+    /// range split over its warps (`skinny_mma_{t}`); as fast or faster at
+    /// every row count on the Llama-3-8B projections (docs/perf.md).
+    Mma,
+}
+
 /// The launch switches of one process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct LaunchPolicy {
@@ -69,6 +83,8 @@ pub(crate) struct LaunchPolicy {
     pub(crate) split_merge: Option<Merge>,
     /// A mixed batch's launches.
     pub(crate) overlap: Overlap,
+    /// The skinny matmul's kernel.
+    pub(crate) skinny: SkinnyKernel,
 }
 
 impl Default for LaunchPolicy {
@@ -104,6 +120,10 @@ impl LaunchPolicy {
                 Some("decode-first") => Overlap::DecodeFirst,
                 _ => Overlap::PrefillFirst,
             },
+            skinny: match get("SKINNY_KERNEL").as_deref() {
+                Some("fma") => SkinnyKernel::Fma,
+                _ => SkinnyKernel::Mma,
+            },
         }
     }
 
@@ -138,6 +158,7 @@ mod tests {
                 prefill_rows: None,
                 split_merge: None,
                 overlap: Overlap::PrefillFirst,
+                skinny: SkinnyKernel::Mma,
             }
         );
         assert_eq!(with(&[("STREAM", "0")]).stream, StreamMode::Off);
@@ -158,6 +179,7 @@ mod tests {
             with(&[("OVERLAP", "decode-first")]).overlap,
             Overlap::DecodeFirst
         );
+        assert_eq!(with(&[("SKINNY_KERNEL", "fma")]).skinny, SkinnyKernel::Fma);
     }
 
     #[test]
@@ -168,6 +190,7 @@ mod tests {
             ("PREFILL_ROWS", "96"),
             ("SPLIT_MERGE", "both"),
             ("OVERLAP", "2"),
+            ("SKINNY_KERNEL", "wmma"),
         ]);
         assert_eq!(odd, LaunchPolicy::default());
     }

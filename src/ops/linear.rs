@@ -1,7 +1,8 @@
-//! The linear layers' matmul: `x · wᵀ (+ b)`, with the product of one row
-//! (a decode step of one sequence, [`SKINNY_LINEAR_ROWS`]) on CUDA as one
-//! weight-streaming kernel instead of cuBLAS, whose batch-1 kernels read the
-//! weights slower. [`skinny_matmul`] itself takes up to [`SKINNY_MAX_ROWS`].
+//! The linear layers' matmul: `x · wᵀ (+ b)`, with the product of up to
+//! [`SKINNY_LINEAR_ROWS`] rows (a decode step of a few sequences) on CUDA
+//! as one weight-streaming kernel instead of cuBLAS, whose small-batch
+//! kernels read the weights slower. [`skinny_matmul`] itself takes up to
+//! [`SKINNY_MAX_ROWS`].
 //!
 //! Owns `linear`, `skinny_matmul` and the `SkinnyMatmul` op: checks on the
 //! host, then the CPU or CUDA backend.
@@ -16,20 +17,30 @@ const OP: &str = "skinny-matmul";
 pub const SKINNY_MAX_ROWS: usize = 8;
 
 /// The most rows of `x` for which [`linear`] takes [`skinny_matmul`]: on an
-/// H100 it beats cuBLAS on every Llama-3-8B projection at 1 row (1.02x to
-/// 1.29x) and is mixed from 2 rows on (docs/perf.md, "Skinny matmul").
-pub const SKINNY_LINEAR_ROWS: usize = 1;
+/// H100 its tensor-core kernel beats cuBLAS on every Llama-3-8B projection
+/// at 1 to 8 rows (1.00x to 1.39x), and the 8B-shaped decode of 2, 4 and 8
+/// requests gains 8-9% tokens/s (docs/perf.md, "Skinny matmul", version
+/// 13).
+pub const SKINNY_LINEAR_ROWS: usize = 8;
 
 #[cfg(feature = "cuda")]
 const _: () = assert!(SKINNY_MAX_ROWS == crate::cuda::layer_shapes::SKINNY_MAX_ROWS);
 
-/// The environment variable that turns the skinny path of [`linear`] off
-/// (`0`), read once: every matmul then runs through candle.
+/// The environment variable that limits the skinny path of [`linear`],
+/// read once: `0` turns it off (every matmul runs through candle), `1`
+/// keeps it to one row; unset or any other value, up to
+/// [`SKINNY_LINEAR_ROWS`] rows.
 pub const SKINNY_MATMUL_ENV: &str = "CANDLE_PAGED_ATTENTION_SKINNY_MATMUL";
 
-fn skinny_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var(SKINNY_MATMUL_ENV).map_or(true, |v| v != "0"))
+/// The most rows of `x` for which [`linear`] takes [`skinny_matmul`] in
+/// this process ([`SKINNY_MATMUL_ENV`]).
+fn skinny_rows() -> usize {
+    static ROWS: OnceLock<usize> = OnceLock::new();
+    *ROWS.get_or_init(|| match std::env::var(SKINNY_MATMUL_ENV).as_deref() {
+        Ok("0") => 0,
+        Ok("1") => 1,
+        _ => SKINNY_LINEAR_ROWS,
+    })
 }
 
 /// `(m, n, k)` of `x` `(m, k)` and `w` `(n, k)`, or an error naming both
@@ -130,8 +141,8 @@ fn cuda_fits(x: &Tensor, w: &Tensor) -> bool {
 
 /// A linear layer: `x · wᵀ + b` over the last dimension of `x`, as
 /// `candle_nn::Linear` computes it, except that on CUDA a 2-D `x` of at
-/// most [`SKINNY_LINEAR_ROWS`] rows runs through [`skinny_matmul`] (unless
-/// [`SKINNY_MATMUL_ENV`] is `0`).
+/// most [`SKINNY_LINEAR_ROWS`] rows runs through [`skinny_matmul`] (fewer,
+/// or none, as [`SKINNY_MATMUL_ENV`] says).
 ///
 /// # Arguments
 /// * `x` - `(..., k)`.
@@ -141,9 +152,8 @@ fn cuda_fits(x: &Tensor, w: &Tensor) -> bool {
 /// Returns `(..., n)`.
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let skinny = x.device().is_cuda()
-        && skinny_enabled()
         && x.rank() == 2
-        && (1..=SKINNY_LINEAR_ROWS).contains(&x.dims()[0])
+        && (1..=skinny_rows()).contains(&x.dims()[0])
         && w.rank() == 2
         && w.dims()[1] == x.dims()[1]
         && w.dtype() == x.dtype()
