@@ -12,8 +12,9 @@
 //!   may part at a near tie (a padded bucket's matmuls round differently):
 //!   both tokens must then be within 3% of the largest logit, and at least
 //!   half of the requests must match to the end;
-//! * a Llama-3-8B-shaped model with random bf16 weights (ignored by
-//!   default: it needs about 20 GB of GPU memory; run with `--ignored`).
+//! * a Llama-3-8B-shaped model with random bf16 weights, near ties allowed
+//!   as for SmolLM2 in bf16 (ignored by default: it needs about 20 GB of
+//!   GPU memory; run with `--ignored`).
 //!
 //! Built with the `cuda` feature only (CUDA graphs have no CPU path).
 #![cfg(feature = "cuda")]
@@ -213,6 +214,15 @@ fn same_tokens(
     Ok(())
 }
 
+/// Serialises this file's tests: two engines capturing and replaying
+/// graphs on one device from two test threads crashed the process
+/// (a segmentation fault with the 8B-shaped test beside the Gemma one,
+/// 2026-12-06; one at a time they pass). Held for a whole test.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn random_prompts(seed: u64, lens: &[usize], vocab: usize) -> Vec<Vec<u32>> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     lens.iter()
@@ -290,6 +300,7 @@ fn llama_config(
 
 cuda_test! {
     fn llama_graphs_give_the_eager_tokens(dev: &Device) -> Result<()> {
+        let _serial = serial();
         let cfg = llama_config(3, 256, 512, (8, 2), 512);
         let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
         for (seed, lens) in [(1, vec![37]), (2, vec![5, 600, 90]), (3, vec![12, 700, 33, 64, 3, 250])] {
@@ -308,6 +319,7 @@ cuda_test! {
     fn sampled_tokens_are_the_same_eager_on_the_host_and_replayed_on_the_device(
         dev: &Device,
     ) -> Result<()> {
+        let _serial = serial();
         let cfg = llama_config(3, 256, 512, (8, 2), 512);
         let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
         let prompts = random_prompts(4, &[12, 300, 33, 64, 3, 90], cfg.vocab_size);
@@ -339,6 +351,7 @@ fn gemma3_config(window: usize) -> Result<gemma3::Config> {
 
 cuda_test! {
     fn gemma3_graphs_give_the_eager_tokens(dev: &Device) -> Result<()> {
+        let _serial = serial();
         // Window 48 over 16-token blocks: the window layers read their own
         // group's tables, whose out-of-window blocks are recycled.
         let cfg = gemma3_config(48)?;
@@ -355,6 +368,7 @@ cuda_test! {
 
 cuda_test! {
     fn replayed_logits_equal_eager_logits(dev: &Device) -> Result<()> {
+        let _serial = serial();
         let cfg = llama_config(2, 256, 512, (8, 2), 512);
         let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
         let cache = PagedKvCache::new(
@@ -414,6 +428,7 @@ fn smollm2_path() -> Result<PathBuf> {
 
 cuda_test! {
     fn smollm2_graphs_give_the_eager_tokens(dev: &Device) -> Result<()> {
+        let _serial = serial();
         let path = smollm2_path()?;
         let mut file = std::fs::File::open(&path).with_context(|| path.display().to_string())?;
         let content = gguf_file::Content::read(&mut file)?;
@@ -449,9 +464,10 @@ cuda_test! {
 cuda_test! {
     #[ignore = "needs about 20 GB of GPU memory; run with --ignored"]
     fn llama3_8b_shaped_graphs_give_the_eager_tokens(dev: &Device) -> Result<()> {
+        let _serial = serial();
         let cfg = llama_config(32, 4096, 14336, (32, 8), 128_256);
         let model = random_llama(&cfg, 0.02, DType::BF16, dev)?;
         let prompts = random_prompts(8, &[128, 20, 600, 64], cfg.vocab_size);
-        same_tokens("llama3-8b-shaped", &model, &prompts, 24, 1024, false, false)
+        same_tokens("llama3-8b-shaped", &model, &prompts, 24, 1024, false, true)
     }
 }
