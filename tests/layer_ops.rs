@@ -515,3 +515,24 @@ fn greedy_tokens_are_candle_argmax_with_a_finiteness_flag(
     }
     Ok(())
 }
+
+#[test]
+fn skinny_matmul_rows_do_not_depend_on_the_other_rows() -> Result<()> {
+    // A graph's padded bucket runs a step's matmuls with more rows than the
+    // eager step: each row's products must not change with them.
+    let (n, k) = (300, 4096);
+    for dev in devices()? {
+        let w = Tensor::randn(0f32, 1., (n, k), &dev)?.to_dtype(DType::BF16)?;
+        let x = Tensor::randn(0f32, 1., (8, k), &dev)?.to_dtype(DType::BF16)?;
+        let big = Tensor::randn(0f32, 1e4, (8, k), &dev)?.to_dtype(DType::BF16)?;
+        let first = values(&skinny_matmul(&x.narrow(0, 0, 1)?, &w)?)?;
+        for m in 2..=8 {
+            for others in [&x, &big] {
+                let rows = Tensor::cat(&[x.narrow(0, 0, 1)?, others.narrow(0, 1, m - 1)?], 0)?;
+                let y = values(&skinny_matmul(&rows, &w)?)?;
+                assert_eq!(&y[..n], &first[..], "{dev:?}: row 0 changed with {m} rows");
+            }
+        }
+    }
+    Ok(())
+}
