@@ -9,7 +9,10 @@
 //! * SmolLM2-135M (GGUF Q4_1, f32 and bf16 activations, graphs captured on
 //!   demand or all before the first step; `CPA_SMOLLM2_GGUF` names the
 //!   file, else `scripts/fetch-smollm2.sh` fetches it). In bf16 a request
-//!   may part at a near tie (a padded bucket's matmuls round differently):
+//!   may part at a near tie (the replayed step, padded to its bucket and
+//!   planned for the bucket's table width, rounds differently from the
+//!   eager one; the skinny matmul's rows are not the cause, see
+//!   `tests/layer_ops.rs`):
 //!   both tokens must then be within 3% of the largest logit, and at least
 //!   half of the requests must match to the end;
 //! * a Llama-3-8B-shaped model with random bf16 weights, near ties allowed
