@@ -759,8 +759,12 @@ fn decode_path<M: PagedModel + ?Sized>(engine: &Engine<'_, M>) -> String {
             .into();
     }
     let mut line = format!(
-        "decode path: CUDA graphs, {} of {} steps replayed ({} graphs captured, {} kernels per decode step)",
-        stats.graph_steps, stats.steps, stats.graphs_captured, stats.kernels_per_graph_step
+        "decode path: CUDA graphs, {} of {} steps replayed ({} of them with prefills; {} graphs captured, {} kernels per decode step)",
+        stats.graph_steps,
+        stats.steps,
+        stats.mixed_graph_steps,
+        stats.graphs_captured,
+        stats.kernels_per_graph_step
     );
     if let Some(e) = engine.cuda_graph_error() {
         line += &format!(

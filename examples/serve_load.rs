@@ -150,7 +150,8 @@ struct Args {
     /// length, plus 64).
     #[arg(long)]
     num_blocks: Option<usize>,
-    /// Run decode steps eagerly on both sides.
+    /// Capture no CUDA graph before the runs (the offline engine then runs
+    /// every step eagerly).
     #[arg(long)]
     no_cuda_graph: bool,
     #[arg(long, default_value_t = 42)]
@@ -353,7 +354,7 @@ fn fmt_row(r: &Row) -> String {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let graphs = !args.no_cuda_graph;
+    let graphs = paged::GraphUse::from_flags(args.no_cuda_graph, false);
     let levels: Vec<usize> = args.concurrency.clone();
     if levels.is_empty() || levels.contains(&0) {
         bail!("--concurrency needs levels of at least 1 client, got {levels:?}");
@@ -494,7 +495,7 @@ fn main() -> Result<()> {
                 .disconnect_requests
                 .max(args.poisson_requests)
                 .max(1024),
-            capture_graphs_up_to: graphs.then_some(longest),
+            capture_graphs_up_to: (graphs != paged::GraphUse::Off).then_some(longest),
             ..ServeConfig::default()
         },
     )?;

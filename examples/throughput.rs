@@ -232,9 +232,13 @@ struct Args {
     /// Share cached prompt blocks between sequences.
     #[arg(long)]
     prefix_caching: bool,
-    /// Run every decode step eagerly instead of replaying CUDA graphs.
+    /// Run every step eagerly instead of replaying CUDA graphs.
     #[arg(long)]
     no_cuda_graph: bool,
+    /// Replay CUDA graphs of pure-decode steps only (steps with prefills
+    /// run eagerly).
+    #[arg(long)]
+    decode_graphs_only: bool,
 
     /// Decoder layers of the random Llama.
     #[arg(long, default_value_t = 32)]
@@ -708,7 +712,8 @@ fn main() -> Result<()> {
     // the prefix cache.
     let warm_prompt: Vec<u32> = work[0].prompt.iter().take(16).rev().copied().collect();
     let warm = (!args.no_warmup).then_some(warm_prompt.as_slice());
-    let engine = paged::run(model, cache, sched, &work, warm, !args.no_cuda_graph, None)?;
+    let graphs = paged::GraphUse::from_flags(args.no_cuda_graph, args.decode_graphs_only);
+    let engine = paged::run(model, cache, sched, &work, warm, graphs, None)?;
     eprintln!(
         "paged engine: {:.3}s, {:.1} generated tok/s; decode path: {}",
         engine.stats.wall_s,
@@ -834,6 +839,7 @@ fn main() -> Result<()> {
                 "peak_used_blocks": engine.counters.peak_used_blocks,
                 "num_blocks": engine.counters.num_blocks,
                 "graph_steps": engine.counters.graph_steps,
+                "mixed_graph_steps": engine.counters.mixed_graph_steps,
                 "graphs_captured": engine.counters.graphs_captured,
                 "graph_capture_failures": engine.counters.graph_capture_failures,
                 "kernels_per_graph_step": engine.counters.kernels_per_graph_step,

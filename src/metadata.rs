@@ -88,6 +88,17 @@ pub struct AttentionMetadata {
     local: Mutex<HashMap<(Option<usize>, usize), PagedBatch>>,
     /// How the step's launches are planned (see [`GraphMode`]).
     graph_mode: GraphMode,
+    /// The query rows whose logits the step wants, as a device tensor (see
+    /// [`Self::with_logit_rows`]).
+    logit_rows: Option<LogitRows>,
+}
+
+/// The query rows whose logits a step wants: `(rows,)` u32 on the batch's
+/// device and its host copy.
+#[derive(Clone, Debug)]
+struct LogitRows {
+    host: Arc<Vec<u32>>,
+    tensor: Tensor,
 }
 
 /// How the attention launches of a step are planned: for the batch alone,
@@ -95,12 +106,13 @@ pub struct AttentionMetadata {
 /// the bucket replays any other.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GraphMode {
-    /// Planned for this batch's own lengths (prefills, mixed steps, and
-    /// every caller outside the engine's decode steps).
+    /// Planned for this batch's own lengths (steps larger than a graph
+    /// bucket, and every caller outside the engine).
     #[default]
     Eager,
-    /// Planned for the batch's shape alone (sequences, tokens, table width):
-    /// the split-KV of the layers whose policy is
+    /// Planned for the batch's shape alone (sequences, tokens, table width;
+    /// a batch with prefills launches both parts of a mixed batch): the
+    /// split-KV of the layers whose policy is
     /// [`KvSplit::Auto`](crate::KvSplit::Auto) is chosen for sequences of up
     /// to `plan_keys` keys. A graph captured on such a step replays with new
     /// lengths, and an eager step of the same batch launches the same
@@ -154,6 +166,7 @@ impl AttentionMetadata {
             window_groups: Vec::new(),
             local: Mutex::new(HashMap::new()),
             graph_mode: GraphMode::Eager,
+            logit_rows: None,
         })
     }
 
@@ -169,6 +182,40 @@ impl AttentionMetadata {
         self.graph_mode
     }
 
+    /// This metadata with the query rows whose logits the step wants
+    /// uploaded as a `(rows.len(),)` u32 tensor on the batch's device, which
+    /// the models index their last hidden states with when asked for the
+    /// same rows (see [`Self::logit_rows`]). A captured CUDA graph reads the
+    /// rows from that tensor, so a replay may want other rows than the
+    /// capture did: they are listed in [`Self::tensors`] and refreshed like
+    /// the tables.
+    ///
+    /// Fails when `rows` is empty or a row is `>= num_tokens`.
+    pub fn with_logit_rows(mut self, rows: &[usize]) -> Result<Self> {
+        let n = self.num_tokens();
+        if rows.is_empty() {
+            bail!("{OP}: logit rows must not be empty");
+        }
+        if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
+            bail!("{OP}: logit row {bad} is out of range for {n} tokens");
+        }
+        let host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let tensor = Tensor::from_slice(&host, host.len(), self.device())?;
+        self.logit_rows = Some(LogitRows {
+            host: Arc::new(host),
+            tensor,
+        });
+        Ok(self)
+    }
+
+    /// The logit rows set by [`Self::with_logit_rows`]: their host values
+    /// and the `(rows,)` u32 device tensor holding them.
+    pub fn logit_rows(&self) -> Option<(&[u32], &Tensor)> {
+        self.logit_rows
+            .as_ref()
+            .map(|r| (r.host.as_slice(), &r.tensor))
+    }
+
     /// This batch with `num_seqs - self.num_seqs()` padding sequences
     /// appended and every block table widened to `width` columns, uploaded
     /// to `device`.
@@ -176,27 +223,83 @@ impl AttentionMetadata {
     /// A padding sequence has one new token at position 0 whose keys and
     /// values are not stored (slot -1) and whose table is all block 0: it
     /// reads one cache row and its output is meant to be ignored. Window
-    /// groups are padded the same way; the split plan is kept. Use it to
-    /// give a decode step the fixed shape of a captured CUDA graph, or
-    /// (with the same sizes) to move host-built metadata to a device.
+    /// groups are padded the same way; the split plan and the logit rows
+    /// are kept. Use it to give a decode step the fixed shape of a captured
+    /// CUDA graph, or (with the same sizes) to move host-built metadata to a
+    /// device.
     ///
     /// Fails when the batch has prefix ranges, when `num_seqs` is smaller
     /// than the batch, or when `width` is narrower than its tables.
     pub fn padded(&self, num_seqs: usize, width: usize, device: &Device) -> Result<Self> {
+        let extra = num_seqs.saturating_sub(self.num_seqs());
+        let tokens = self.num_tokens().checked_add(extra).ok_or_else(|| {
+            candle_core::Error::Msg(format!("{OP}: {num_seqs} padded sequences overflow usize"))
+        })?;
+        self.padded_to(num_seqs, tokens, width, device)
+    }
+
+    /// This batch padded to `num_seqs` sequences of `num_tokens` new tokens
+    /// in all, with tables `width` blocks wide, uploaded to `device`: the
+    /// fixed shape of a captured CUDA graph of a step with prefills.
+    ///
+    /// The padding sequences are as in [`Self::padded`], except the last,
+    /// which takes every padding token left over: it has `q` new tokens at
+    /// positions `0..q` (no context), none of them stored (slots -1), over a
+    /// table of block 0. Its rows attend to `q` keys of that block's rows
+    /// and are meant to be ignored. Window groups are padded the same way;
+    /// the split plan and the logit rows are kept.
+    ///
+    /// Fails when the batch has prefix ranges, when `num_seqs` or `width`
+    /// is smaller than the batch's, when the padding sequences cannot each
+    /// take at least one token (`num_tokens - self.num_tokens() <
+    /// num_seqs - self.num_seqs()`), when no padding sequence would take
+    /// the extra tokens (`num_seqs == self.num_seqs()` but `num_tokens` is
+    /// larger), or when the last padding sequence's tokens do not fit a
+    /// table of `width` blocks.
+    pub fn padded_to(
+        &self,
+        num_seqs: usize,
+        num_tokens: usize,
+        width: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let n = self.num_seqs();
+        let total = self.num_tokens();
+        let pad_seqs = num_seqs.checked_sub(n);
+        let pad_tokens = num_tokens.checked_sub(total);
+        let (Some(pad_seqs), Some(pad_tokens)) = (pad_seqs, pad_tokens) else {
+            bail!("{OP}: cannot pad {n} sequences of {total} tokens to {num_seqs} sequences of {num_tokens} tokens");
+        };
+        if pad_tokens < pad_seqs || (pad_seqs == 0 && pad_tokens > 0) {
+            bail!(
+                "{OP}: {pad_seqs} padding sequences cannot take {pad_tokens} padding tokens (each takes at least one)"
+            );
+        }
+        if u32::try_from(num_tokens).is_err() {
+            bail!("{OP}: {num_tokens} padded tokens overflow cu_seqlens_q (u32)");
+        }
+        // Tokens of each padding sequence: one each, the rest to the last.
+        let lens: Vec<u32> = (0..pad_seqs)
+            .map(|k| {
+                if k + 1 == pad_seqs {
+                    (pad_tokens - (pad_seqs - 1)) as u32
+                } else {
+                    1
+                }
+            })
+            .collect();
         let pad = |batch: &PagedBatch, slots: &SlotMapping| -> Result<(PagedBatch, SlotMapping)> {
             let host = batch.host();
-            let n = host.num_seqs();
             if has_ranges(host) {
                 bail!("{OP}: a batch with prefix ranges cannot be padded");
             }
-            if num_seqs < n || width < host.block_table_width() {
+            if width < host.block_table_width() {
                 bail!(
-                    "{OP}: cannot pad {n} sequences with tables of width {} to {num_seqs} sequences of width {width}",
+                    "{OP}: cannot pad tables of width {} to width {width}",
                     host.block_table_width()
                 );
             }
-            let (Some(cells), Ok(extra)) = (num_seqs.checked_mul(width), u32::try_from(num_seqs))
-            else {
+            let Some(cells) = num_seqs.checked_mul(width) else {
                 bail!("{OP}: {num_seqs} sequences of width {width} overflow the batch's indices");
             };
             let mut cu = host.cu_seqlens_q().to_vec();
@@ -207,15 +310,13 @@ impl AttentionMetadata {
                 tables[i * width..i * width + row.len()].copy_from_slice(row);
             }
             let mut slot_vec = slots.host().to_vec();
-            let last = cu.last().copied().unwrap_or(0);
-            if last.checked_add(extra).is_none() {
-                bail!("{OP}: {num_seqs} padded sequences overflow cu_seqlens_q (u32)");
-            }
-            // k <= num_seqs - n <= extra, and last + extra fits: no overflow.
-            for k in 1..=(num_seqs - n) {
-                cu.push(last + k as u32);
-                seq_lens.push(1);
-                slot_vec.push(-1);
+            // Sums stay <= num_tokens, which fits u32 (checked above).
+            let mut last = cu.last().copied().unwrap_or(0);
+            for &q in &lens {
+                last += q;
+                cu.push(last);
+                seq_lens.push(q);
+                slot_vec.extend(std::iter::repeat_n(-1, q as usize));
             }
             let batch = PagedBatch::new(&cu, &seq_lens, &tables, width, host.block_size(), device)?;
             Ok((batch, SlotMapping::new(&slot_vec, device)?))
@@ -227,16 +328,21 @@ impl AttentionMetadata {
             out = out.with_window_group(g.window, batch, slots)?;
         }
         out.graph_mode = self.graph_mode;
+        if let Some(rows) = &self.logit_rows {
+            let rows: Vec<usize> = rows.host.iter().map(|&r| r as usize).collect();
+            out = out.with_logit_rows(&rows)?;
+        }
         Ok(out)
     }
 
     /// Every tensor a forward pass reads from this metadata, in a fixed
     /// order: the batch's `cu_seqlens_q`, `seq_lens`, `block_tables` and
     /// prefix ranges (when present), the slots, the positions, then the same
-    /// of each window group (batch tensors, slots). Two metadata of the same
-    /// shape list tensors of the same shapes: a captured graph's inputs are
-    /// refreshed by copying one list into the other. Chunked-local remaps
-    /// are not listed (they are derived per layer and cached).
+    /// of each window group (batch tensors, slots), then the logit rows
+    /// when set. Two metadata of the same shape list tensors of the same
+    /// shapes: a captured graph's inputs are refreshed by copying one list
+    /// into the other. Chunked-local remaps are not listed (they are derived
+    /// per layer and cached).
     pub fn tensors(&self) -> Vec<&Tensor> {
         fn push_batch<'a>(b: &'a PagedBatch, out: &mut Vec<&'a Tensor>) {
             out.extend([b.cu_seqlens_q(), b.seq_lens(), b.block_tables()]);
@@ -250,6 +356,7 @@ impl AttentionMetadata {
             push_batch(&g.batch, &mut out);
             out.push(g.slot_mapping.slots());
         }
+        out.extend(self.logit_rows.as_ref().map(|r| &r.tensor));
         out
     }
 
@@ -661,6 +768,60 @@ mod tests {
         assert_eq!((m.num_decodes(), m.num_decode_tokens()), (1, 1));
         assert_eq!((m.max_seqlen_q(), m.max_seqlen_k()), (3, 5));
         assert!(!m.is_single_token_prefill());
+    }
+
+    #[test]
+    fn pads_to_a_graph_shape_with_rows_kept() {
+        let dev = Device::Cpu;
+        let group =
+            PagedBatch::from_rows(&[0, 3, 4], &[3, 5], &[vec![5, 6], vec![0, 0, 7]], 2, &dev)
+                .unwrap();
+        let slots = SlotMapping::new(&[10, 11, 12, 14], &dev).unwrap();
+        let m = metadata()
+            .with_window_group(4, group, slots)
+            .unwrap()
+            .with_logit_rows(&[2, 3])
+            .unwrap();
+        // 2 -> 4 sequences, 4 -> 9 tokens, width 3 -> 4: one padding
+        // sequence of 1 token, the last of 4.
+        let p = m.padded_to(4, 9, 4, &dev).unwrap();
+        let host = p.batch().host();
+        assert_eq!(host.cu_seqlens_q(), [0, 3, 4, 5, 9]);
+        assert_eq!(host.seq_lens(), [3, 5, 1, 4]);
+        assert_eq!(host.block_table_width(), 4);
+        assert_eq!(host.block_table(1), [2, 3, 4, 0]);
+        assert_eq!(p.slot_mapping().host(), [0, 1, 2, 8, -1, -1, -1, -1, -1]);
+        assert_eq!(p.positions_host(), [0, 1, 2, 4, 0, 0, 1, 2, 3]);
+        assert_eq!(
+            p.window_groups()[0].slot_mapping().host()[..4],
+            [10, 11, 12, 14]
+        );
+        assert_eq!(p.logit_rows().unwrap().0, [2, 3]);
+        assert_eq!(p.logit_rows().unwrap().1.to_vec1::<u32>().unwrap(), [2, 3]);
+        // Every tensor, the logit rows last; the same list for the same shape.
+        let tensors = p.tensors();
+        assert_eq!(tensors.len(), 10);
+        assert_eq!(tensors[9].to_vec1::<u32>().unwrap(), [2, 3]);
+        // `padded` still adds one token per sequence.
+        let d = m.padded(3, 3, &dev).unwrap();
+        assert_eq!(d.batch().host().cu_seqlens_q(), [0, 3, 4, 5]);
+        // Refused: fewer tokens than padding sequences, extra tokens and no
+        // padding sequence, a last padding sequence past its table, rows
+        // out of range.
+        let err = m.padded_to(4, 5, 4, &dev).unwrap_err().to_string();
+        assert!(
+            err.contains("2 padding sequences cannot take 1 padding tokens"),
+            "{err}"
+        );
+        let err = m.padded_to(2, 6, 4, &dev).unwrap_err().to_string();
+        assert!(err.contains("0 padding sequences cannot take 2"), "{err}");
+        let err = m.padded_to(3, 14, 4, &dev).unwrap_err().to_string();
+        assert!(err.contains("needs 5 blocks of 2"), "{err}");
+        let err = metadata().with_logit_rows(&[4]).unwrap_err().to_string();
+        assert!(
+            err.contains("logit row 4 is out of range for 4 tokens"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -39,7 +39,11 @@ pub enum KvSplit {
     /// many keys instead of the batch's own lengths, so the launches depend
     /// only on the batch's shape (sequences, tokens, table width): what a
     /// CUDA graph replayed with new lengths needs. Empty segments of a
-    /// shorter sequence exit at once.
+    /// shorter sequence exit at once. A batch with prefills (not every
+    /// sequence one new token) launches both parts of a mixed batch, the
+    /// decode-shaped one and the prefill one, whichever sequences it has
+    /// (a program of a part without sequences exits at once), the prefill
+    /// tile chosen for the token count.
     AutoUpTo(u32),
 }
 

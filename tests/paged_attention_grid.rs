@@ -116,7 +116,13 @@ device_test! {
         #[case] dtype: DType,
         #[case] fp8_cache: bool,
         #[values(None, Some(24))] window: Option<usize>,
-        #[values(KvSplit::Auto, KvSplit::Never, KvSplit::Segments(5))] split: KvSplit,
+        #[values(
+            KvSplit::Auto,
+            KvSplit::Never,
+            KvSplit::Segments(5),
+            KvSplit::AutoUpTo(1024)
+        )]
+        split: KvSplit,
     ) -> Result<()> {
         let case = Case::new(seqs, heads, head_size, block_size, dtype)
             .with_fp8_cache(fp8_cache)

@@ -6,9 +6,9 @@
 //! `has_work`, `step` (its `TokenEvent::id`), `take_completions`
 //! (`Completion::{id, tokens}`), and `reset_stats` / `stats` for the
 //! preemptions, the peak KV blocks in use and the prefix-cache hits of the
-//! timed run (the warm-up excluded); `with_cuda_graphs` and
-//! `capture_cuda_graphs` (before the timed run, as a server does at
-//! start-up) for the decode path.
+//! timed run (the warm-up excluded); `with_cuda_graphs`,
+//! `with_mixed_step_graphs` and `capture_cuda_graphs` (before the timed
+//! run, as a server does at start-up) for the graph paths.
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +19,28 @@ use candle_paged_attention::models::{PagedKvCache, PagedModel};
 
 use super::stats::{RunStats, Timeline};
 use super::workload::{Draw, WorkItem};
+
+/// Which steps replay CUDA graphs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GraphUse {
+    /// None: every step launches its kernels one by one.
+    Off,
+    /// Pure-decode steps only.
+    DecodeOnly,
+    /// Pure-decode steps and steps with prefills (the engine's default).
+    All,
+}
+
+impl GraphUse {
+    /// From the runners' `--no-cuda-graph` and `--decode-graphs-only`.
+    pub fn from_flags(no_cuda_graph: bool, decode_graphs_only: bool) -> Self {
+        match (no_cuda_graph, decode_graphs_only) {
+            (true, _) => Self::Off,
+            (false, true) => Self::DecodeOnly,
+            (false, false) => Self::All,
+        }
+    }
+}
 
 /// What the paged run produced besides its timeline.
 pub struct EngineRun {
@@ -58,8 +80,8 @@ fn request(id: u64, prompt: Vec<u32>, max_tokens: usize, draw: Option<Draw>) -> 
     Request { id, prompt, params }
 }
 
-/// Builds an engine over `model` and `cache` (decode steps replaying CUDA
-/// graphs when `cuda_graphs`, all captured before the timed run), warms it
+/// Builds an engine over `model` and `cache` (steps replaying CUDA graphs
+/// as `graphs` says, the decode ones captured before the timed run), warms it
 /// up with `warmup_prompt` when given, and runs `work` (see [`run_on`]).
 pub fn run(
     model: &dyn PagedModel,
@@ -67,7 +89,7 @@ pub fn run(
     config: SchedulerConfig,
     work: &[WorkItem],
     warmup_prompt: Option<&[u32]>,
-    cuda_graphs: bool,
+    graphs: GraphUse,
     max_in_flight: Option<usize>,
 ) -> Result<EngineRun> {
     let max_context = work
@@ -75,19 +97,12 @@ pub fn run(
         .map(|w| w.prompt.len() + w.max_tokens)
         .max()
         .unwrap_or(1);
-    let mut engine = start(
-        model,
-        cache,
-        config,
-        max_context,
-        warmup_prompt,
-        cuda_graphs,
-    )?;
+    let mut engine = start(model, cache, config, max_context, warmup_prompt, graphs)?;
     run_on(&mut engine, work, max_in_flight)
 }
 
 /// Builds an engine over `model` and `cache`, captures its decode graphs
-/// for sequences of up to `max_context` tokens when `cuda_graphs` (as a
+/// for sequences of up to `max_context` tokens unless `graphs` is off (as a
 /// server does at start-up), and warms it up with `warmup_prompt` when
 /// given.
 pub fn start<'m>(
@@ -96,14 +111,16 @@ pub fn start<'m>(
     config: SchedulerConfig,
     max_context: usize,
     warmup_prompt: Option<&[u32]>,
-    cuda_graphs: bool,
+    graphs: GraphUse,
 ) -> Result<Engine<'m, dyn PagedModel + 'm>> {
-    let mut engine = Engine::new(model, cache, config)?.with_cuda_graphs(cuda_graphs);
+    let mut engine = Engine::new(model, cache, config)?
+        .with_cuda_graphs(graphs != GraphUse::Off)
+        .with_mixed_step_graphs(graphs == GraphUse::All);
     let t = Instant::now();
     let graphs = engine.capture_cuda_graphs(max_context)?;
     if graphs > 0 {
         eprintln!(
-            "paged engine: {graphs} decode graphs captured in {:.2}s",
+            "paged engine: {graphs} CUDA graphs captured in {:.2}s",
             t.elapsed().as_secs_f64()
         );
     }
@@ -201,8 +218,11 @@ pub fn run_on(
     ));
     let decode_path = if engine.uses_cuda_graphs() {
         let mut line = format!(
-            "CUDA graphs: {} of {} steps replayed, {} kernels per decode step",
-            counters.graph_steps, counters.steps, counters.kernels_per_graph_step
+            "CUDA graphs: {} of {} steps replayed ({} of them with prefills), {} kernels per decode step",
+            counters.graph_steps,
+            counters.steps,
+            counters.mixed_graph_steps,
+            counters.kernels_per_graph_step
         );
         if let Some(e) = engine.cuda_graph_error() {
             line += &format!(

@@ -132,14 +132,18 @@ fn part(
     }
 }
 
-/// Launch plans made by this process (see [`launch_plans_made`]).
-static PLANS_MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+thread_local! {
+    /// Launch plans made by this thread (see [`launch_plans_made`]).
+    static PLANS_MADE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
 
-/// How many launch plans this process has made: a forward plans once per
-/// batch and layer kind (the layers of one kind share the plan through the
-/// batch's memo), and each `cuda_launch_plan` report makes one.
+/// How many launch plans the calling thread has made: a forward plans once
+/// per batch and layer kind (the layers of one kind share the plan through
+/// the batch's memo), and each `cuda_launch_plan` report makes one. Counted
+/// per thread, so that forwards on other threads (tests running side by
+/// side) do not change the count.
 pub fn launch_plans_made() -> usize {
-    PLANS_MADE.load(std::sync::atomic::Ordering::Relaxed)
+    PLANS_MADE.with(std::cell::Cell::get)
 }
 
 /// Programs of an instance resident per SM: `resident(kind, tile, head)`
@@ -160,7 +164,7 @@ pub(super) fn plan(
     resident: &ResidentFn<'_>,
     policy: &LaunchPolicy,
 ) -> Result<Plan> {
-    PLANS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    PLANS_MADE.with(|n| n.set(n.get() + 1));
     let sms = limits.sms;
     let host = params.batch.host();
     let Some(&head) = HEAD_SIZES.iter().find(|&&h| h >= dims.head_size) else {
@@ -173,6 +177,13 @@ pub(super) fn plan(
     let n = host.num_seqs();
     let fp8 = params.key_cache.dtype() == candle_core::DType::F8E4M3;
     let all = (0, i32::MAX as usize);
+    // A step with prefills planned for a CUDA graph (`KvSplit::AutoUpTo`):
+    // the plan depends on the batch's shape alone (sequences, tokens, table
+    // width), never on its lengths, so a graph captured on one batch of the
+    // shape replays any other. Both parts are launched (a part whose
+    // sequences the batch lacks exits at once), the prefill tile is chosen
+    // for the token count, the decode-shaped one for its longest span.
+    let by_shape = matches!(params.kv_split, KvSplit::AutoUpTo(_)) && !host.is_pure_decode();
     // Longest span whose rows (times the packed heads) fit one decode-shaped program.
     let fits = 16 / group.min(16);
     let decode = tile_shape(Kind::Decode, head, false);
@@ -190,7 +201,12 @@ pub(super) fn plan(
     // instances have one tile (of 64 rows).
     let small = match policy.prefill_rows {
         Some(rows) => rows == 64,
-        None if narrow == wide || host.max_seqlen_q() <= fits => false,
+        None if narrow == wide || (!by_shape && host.max_seqlen_q() <= fits) => false,
+        None if by_shape => {
+            // As below, with every token in the prefill part.
+            dims.num_tokens.div_ceil(128 / group.min(128)) * dims.num_kv_heads * group.div_ceil(128)
+                < resident(Kind::Prefill, &wide, head)? * sms
+        }
         None => {
             let prefill_programs: usize = (0..n)
                 .filter(|&i| host.q_len(i).unwrap_or(0) > fits)
@@ -204,7 +220,9 @@ pub(super) fn plan(
     let prefill = if small { narrow } else { wide };
     // The decode-shaped launch: a stream-decode instance where one serves
     // the call (`stream_decode_tile`), else the unified kernel's.
-    let decode_span = if host.max_seqlen_q() <= fits {
+    let decode_span = if by_shape {
+        fits
+    } else if host.max_seqlen_q() <= fits {
         host.max_seqlen_q().max(1)
     } else {
         (0..n)
@@ -218,7 +236,12 @@ pub(super) fn plan(
             Some(tile) => part(Kind::Stream, tile, dims, n, q_lens),
             None => part(Kind::Decode, decode, dims, n, q_lens),
         };
-    let parts = if host.max_seqlen_q() <= fits {
+    let parts = if by_shape {
+        [
+            Some(decode_part((1, fits))),
+            Some(part(Kind::Prefill, prefill, dims, n, (fits + 1, all.1))),
+        ]
+    } else if host.max_seqlen_q() <= fits {
         [Some(decode_part(all)), None]
     } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i).unwrap_or(0))) {
         [
@@ -239,6 +262,7 @@ pub(super) fn plan(
     // new tokens fit it).
     let decode_count = match parts {
         [_, None] => n,
+        _ if by_shape => n,
         _ => (0..n)
             .filter(|&i| (1..=fits).contains(&host.q_len(i).unwrap_or(0)))
             .count(),
@@ -538,6 +562,39 @@ mod tests {
             LaunchPolicy::current(),
         )
         .expect("plan")
+    }
+
+    #[test]
+    fn replayable_steps_with_prefills_plan_for_their_shape_alone() {
+        // Three batches of 4 sequences and 64 tokens: decodes beside prompt
+        // chunks, other lengths, and a prefill-only one with empty
+        // sequences. Planned for a graph (`AutoUpTo`), they launch the same
+        // programs: both parts, the same tiles, segments and grids.
+        let batches: [&[(u32, u32)]; 3] = [
+            &[(1, 300), (1, 40), (30, 30), (32, 100)],
+            &[(33, 120), (29, 29), (1, 500), (1, 9)],
+            &[(40, 40), (24, 100), (0, 0), (0, 0)],
+        ];
+        for limits in [HOPPER, HOPPER_WG, A100] {
+            for fp8 in [false, true] {
+                let plans: Vec<String> = batches
+                    .iter()
+                    .map(|seqs| {
+                        let (q, params) = call(128, fp8, seqs);
+                        let params = params.with_kv_split(KvSplit::AutoUpTo(512));
+                        format!("{:?}", plan_on(&q, &params, &limits))
+                    })
+                    .collect();
+                assert!(plans.iter().all(|p| *p == plans[0]), "{plans:#?}");
+                let (q, params) = call(128, fp8, batches[0]);
+                let p = plan_on(&q, &params.with_kv_split(KvSplit::AutoUpTo(512)), &limits);
+                assert!(p.parts.iter().all(Option::is_some), "{p:?}");
+            }
+        }
+        // Planned for the batch itself, the prefill-only batch launches one
+        // part.
+        let (q, params) = call(128, false, batches[2]);
+        assert!(plan_on(&q, &params, &HOPPER).parts[1].is_none());
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The decode shapes of CUDA-graph steps: batch-size buckets and block-table
-//! widths, and the split-KV plan every pure-decode step uses (graph or not).
+//! The shapes of CUDA-graph steps: batch-size buckets, token-count buckets
+//! of steps with prefills, block-table widths, and the split-KV plan every
+//! step of a bucket uses (graph or not).
 //!
 //! A step of `n` decodes runs as a batch of `B` = the smallest of
 //! [`BATCH_BUCKETS`] `>= n` sequences with tables of `W` = the next power of
@@ -28,6 +29,41 @@ pub fn decode_bucket(num_seqs: usize, width: usize) -> Option<(usize, usize)> {
     Some((b, w))
 }
 
+/// Token counts a graph of a step with prefills (or prefill chunks) is
+/// captured for: a step pads up to the smallest that holds its tokens and
+/// one token per padding sequence. Past the last, a step runs eagerly: its
+/// matmuls are long enough that launches no longer dominate (vLLM's largest
+/// capture size is 512 tokens too).
+pub const MIXED_TOKEN_BUCKETS: [usize; 11] = [8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512];
+
+/// The most tokens of a step with prefills that a graph runs.
+pub const MAX_MIXED_GRAPH_TOKENS: usize = MIXED_TOKEN_BUCKETS[MIXED_TOKEN_BUCKETS.len() - 1];
+
+/// The bucket shape `(B, T, W)` of a step with prefills of `num_seqs`
+/// sequences and `num_tokens` tokens whose tables are `width` blocks of
+/// `block_size` tokens: `B` sequences (a batch bucket with room for at
+/// least one padding sequence), `T` tokens (a token bucket with room for
+/// one token per padding sequence), tables of `W` blocks (as a decode
+/// step's, widened until the last padding sequence's tokens fit). `None`
+/// when no bucket holds the step.
+pub fn mixed_bucket(
+    num_seqs: usize,
+    num_tokens: usize,
+    width: usize,
+    block_size: usize,
+) -> Option<(usize, usize, usize)> {
+    let b = *BATCH_BUCKETS.iter().find(|&&b| b > num_seqs)?;
+    let need = num_tokens.checked_add(b - num_seqs)?;
+    let t = *MIXED_TOKEN_BUCKETS.iter().find(|&&t| t >= need)?;
+    // The last padding sequence takes the tokens the others leave.
+    let last = t - num_tokens - (b - num_seqs - 1);
+    let mut w = width.max(MIN_TABLE_WIDTH).checked_next_power_of_two()?;
+    while w.checked_mul(block_size)? < last {
+        w = w.checked_mul(2)?;
+    }
+    Some((b, t, w))
+}
+
 /// The key count split-KV is planned for in a decode step whose tables are
 /// `width` blocks of `block_size` tokens: the bucket's `W * block_size`.
 pub fn decode_split_plan_keys(width: usize, block_size: usize) -> usize {
@@ -51,5 +87,33 @@ mod tests {
         assert_eq!(decode_bucket(257, 1), None);
         assert_eq!(decode_split_plan_keys(33, 16), 1024);
         assert_eq!(decode_split_plan_keys(1, 16), 512);
+    }
+
+    #[test]
+    fn mixed_buckets_leave_room_for_padding() {
+        // 3 sequences of 100 tokens: 4 sequences, the last a padding one of
+        // 28 tokens.
+        assert_eq!(mixed_bucket(3, 100, 7, 16), Some((4, 128, 32)));
+        // A full batch bucket takes the next one: 4 -> 8 sequences.
+        assert_eq!(mixed_bucket(4, 60, 40, 16), Some((8, 64, 64)));
+        // The last padding sequence's tokens must fit its table: 63
+        // tokens in blocks of one token widen the table to 64 blocks.
+        assert_eq!(mixed_bucket(1, 5, 1, 2), Some((2, 8, 32)));
+        assert_eq!(mixed_bucket(1, 129, 1, 2), Some((2, 192, 32)));
+        assert_eq!(mixed_bucket(1, 3, 1, 1), Some((2, 8, 32)));
+        assert_eq!(mixed_bucket(1, 65, 1, 1), Some((2, 128, 64)));
+        // Past the largest buckets.
+        assert_eq!(mixed_bucket(3, 512, 1, 16), None);
+        assert_eq!(mixed_bucket(256, 300, 1, 16), None);
+        for (n, tokens, width, bs) in [
+            (1, 2, 1, 16),
+            (5, 77, 9, 16),
+            (100, 300, 3, 8),
+            (2, 400, 2, 1),
+        ] {
+            let (b, t, w) = mixed_bucket(n, tokens, width, bs).unwrap();
+            assert!(b > n && t >= tokens + (b - n) && w >= width);
+            assert!(w * bs >= t - tokens - (b - n - 1));
+        }
     }
 }

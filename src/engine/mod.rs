@@ -7,7 +7,7 @@
 //! (`scheduler.rs`: admission in first-come-first-served order, the
 //! chunked-prefill token budget, preemption) picks the step's work; the
 //! model runner (`runner.rs`: the batch's metadata and device tensors, the
-//! forward pass, the CUDA graphs of decode steps, the greedy rows' argmax)
+//! forward pass, the CUDA graphs of its steps, the greedy rows' argmax)
 //! runs it; the engine samples and feeds the tokens back to their requests
 //! (`request.rs`), or rolls the step back when the forward pass fails.
 //! [`CacheSizing`] and [`MemoryProfile`] size the cache before an engine is
@@ -86,10 +86,13 @@ use std::time::Instant;
 
 use candle_core::{bail, Error, Result};
 
-pub use buckets::{decode_bucket, decode_split_plan_keys, BATCH_BUCKETS, MIN_TABLE_WIDTH};
+pub use buckets::{
+    decode_bucket, decode_split_plan_keys, mixed_bucket, BATCH_BUCKETS, MAX_MIXED_GRAPH_TOKENS,
+    MIN_TABLE_WIDTH, MIXED_TOKEN_BUCKETS,
+};
 pub use builder::{EngineBuilder, KvCacheSpec};
 #[cfg(feature = "cuda")]
-pub use graphs::{DecodeGraphs, GraphStats};
+pub use graphs::{GraphStats, StepGraphs, MAX_MIXED_GRAPHS};
 pub use profile::{
     CachePlan, CacheSizing, MemoryProfile, DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
@@ -187,20 +190,31 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         })
     }
 
-    /// Whether pure-decode steps (every running sequence decoding one
-    /// token, at most 256 of them) on a CUDA device run as CUDA-graph
-    /// replays: on (the default), each batch bucket and table width is
-    /// captured on its first step and replayed after (see
-    /// `DecodeGraphs`, feature
-    /// `cuda`); off, every step launches its kernels one by one. Prefills
-    /// and mixed steps always run eagerly; on the CPU, or built without the
-    /// `cuda` feature, this has no effect. The tokens are the same either way.
+    /// Whether steps on a CUDA device run as CUDA-graph replays: on (the
+    /// default), pure-decode steps (at most 256 sequences) and steps with
+    /// prefills or prefill chunks (at most 255 sequences and
+    /// [`MAX_MIXED_GRAPH_TOKENS`] tokens) are captured per bucket shape on
+    /// their first step and replayed after (see `StepGraphs`, feature
+    /// `cuda`); off, every step launches its kernels one by one. Larger
+    /// steps always run eagerly; on the CPU, or built without the `cuda`
+    /// feature, this has no effect. The tokens are the same either way, up
+    /// to the rounding of a padded batch in 16-bit activations.
     pub fn with_cuda_graphs(mut self, enable: bool) -> Self {
         self.runner.set_cuda_graphs(enable);
         self
     }
 
-    /// True when decode steps may replay CUDA graphs: graphs are on
+    /// Whether steps with prefills or prefill chunks replay CUDA graphs too
+    /// while graphs are on ([`with_cuda_graphs`](Self::with_cuda_graphs)):
+    /// on by default; off, only pure-decode steps do (as vLLM's
+    /// `FULL_DECODE_ONLY` graph mode). Their attention is planned for their
+    /// bucket either way, so the tokens do not change.
+    pub fn with_mixed_step_graphs(mut self, enable: bool) -> Self {
+        self.runner.set_mixed_graphs(enable);
+        self
+    }
+
+    /// True when steps may replay CUDA graphs: graphs are on
     /// ([`with_cuda_graphs`](Self::with_cuda_graphs)), the crate has the
     /// `cuda` feature and the model is on a CUDA device.
     pub fn uses_cuda_graphs(&self) -> bool {
@@ -208,12 +222,14 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     }
 
     /// Captures, before any request runs, the decode graphs of every batch
-    /// bucket up to `max_num_seqs` sequences (see
-    /// [`BATCH_BUCKETS`]) for
-    /// sequences of up to `max_context` tokens, so that no step pays for a
-    /// capture later (vLLM captures at start-up too). Returns the graphs
-    /// ready; 0 when graphs are off or unavailable (see
-    /// [`uses_cuda_graphs`](Self::uses_cuda_graphs)).
+    /// bucket up to `max_num_seqs` sequences (see [`BATCH_BUCKETS`]) for
+    /// sequences of up to `max_context` tokens, and, unless
+    /// [`with_mixed_step_graphs`](Self::with_mixed_step_graphs) turned them
+    /// off, the graphs of steps with prefills: every bucket of sequences and
+    /// tokens ([`MIXED_TOKEN_BUCKETS`], up to the step budget) at the widest
+    /// table, so that no step pays for a capture later (vLLM captures at
+    /// start-up too). Returns the graphs ready; 0 when graphs are off or
+    /// unavailable (see [`uses_cuda_graphs`](Self::uses_cuda_graphs)).
     pub fn capture_cuda_graphs(&mut self, max_context: usize) -> Result<usize> {
         self.runner.capture_cuda_graphs(&self.manager, max_context)
     }
@@ -346,6 +362,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
             let (g, base) = (self.runner.graph_stats(), self.graphs_base);
             EngineStats {
                 graph_steps: g.replays - base.replays,
+                mixed_graph_steps: g.mixed_replays - base.mixed_replays,
                 graphs_captured: g.captured - base.captured,
                 graph_capture_failures: g.failed - base.failed,
                 kernels_per_graph_step: g.kernels_per_step,

@@ -144,16 +144,19 @@ pub struct EngineStats {
     pub peak_used_blocks: usize,
     /// Full-attention blocks in the cache.
     pub num_blocks: usize,
-    /// Decode steps run by replaying a CUDA graph (see
+    /// Steps run by replaying a CUDA graph (see
     /// [`Engine::with_cuda_graphs`](super::Engine::with_cuda_graphs)); the
     /// other steps ran eagerly.
     pub graph_steps: usize,
-    /// CUDA graphs captured (one per batch bucket and table width).
+    /// Those of them with prefills or prefill chunks (the rest were
+    /// pure-decode steps).
+    pub mixed_graph_steps: usize,
+    /// CUDA graphs captured (one per bucket shape).
     pub graphs_captured: usize,
     /// Captures that failed (those shapes run eagerly; see
     /// [`Engine::cuda_graph_error`](super::Engine::cuda_graph_error)).
     pub graph_capture_failures: usize,
-    /// Kernels one captured decode step launches (the latest graph's
-    /// kernel nodes; 0 before the first capture).
+    /// Kernels one captured decode step launches (the latest decode
+    /// graph's kernel nodes; 0 before the first decode capture).
     pub kernels_per_graph_step: usize,
 }

@@ -1,6 +1,6 @@
 //! The engine's model runner: turns a step's scheduled work into the
 //! batch's metadata and device tensors, runs the model (eagerly, or by
-//! replaying a CUDA graph of a pure-decode step) and reads back what
+//! replaying a CUDA graph of the step's shape) and reads back what
 //! each row's token (picked on the logits' device, [`super::pick`]).
 
 #[cfg(feature = "cuda")]
@@ -10,9 +10,9 @@ use std::cell::RefCell;
 use candle_core::Error;
 use candle_core::{bail, Device, Result, Tensor};
 
-use super::buckets::decode_split_plan_keys;
+use super::buckets::{decode_split_plan_keys, mixed_bucket, MAX_MIXED_GRAPH_TOKENS};
 #[cfg(feature = "cuda")]
-use super::graphs::DecodeGraphs;
+use super::graphs::StepGraphs;
 use super::pick::RowPick;
 use super::pick::{first_non_finite, pick_tokens};
 use super::scheduler::SchedulerConfig;
@@ -44,10 +44,12 @@ pub(super) struct ModelRunner<'m, M: PagedModel + ?Sized> {
     /// The engine's limits (the largest step sizes the graphs' scratch).
     #[cfg(feature = "cuda")]
     config: SchedulerConfig,
-    /// Whether pure-decode steps on a CUDA device replay CUDA graphs.
+    /// Whether steps on a CUDA device replay CUDA graphs.
     cuda_graphs: bool,
+    /// Whether steps with prefills do too (else only pure-decode steps).
+    mixed_graphs: bool,
     #[cfg(feature = "cuda")]
-    graphs: RefCell<DecodeGraphs>,
+    graphs: RefCell<StepGraphs>,
     /// Whether the grow-only scratch buffers of the forward pass have been
     /// sized for the largest step before the first capture.
     #[cfg(feature = "cuda")]
@@ -59,14 +61,17 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
     pub(super) fn new(model: &'m M, cache: PagedKvCache, config: SchedulerConfig) -> Self {
         #[cfg(not(feature = "cuda"))]
         let _ = config;
+        #[cfg(feature = "cuda")]
+        let mixed_token_limit = config.max_batch_tokens.max(config.max_num_seqs);
         Self {
             model,
             cache,
             #[cfg(feature = "cuda")]
             config,
             cuda_graphs: true,
+            mixed_graphs: true,
             #[cfg(feature = "cuda")]
-            graphs: RefCell::new(DecodeGraphs::new()),
+            graphs: RefCell::new(StepGraphs::new().with_mixed_token_limit(mixed_token_limit)),
             #[cfg(feature = "cuda")]
             graph_scratch_sized: std::cell::Cell::new(false),
         }
@@ -82,21 +87,28 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
         &self.cache
     }
 
-    /// Turns CUDA graphs of pure-decode steps on or off.
+    /// Turns CUDA graphs of steps on or off.
     pub(super) fn set_cuda_graphs(&mut self, enable: bool) {
         self.cuda_graphs = enable;
     }
 
-    /// True when decode steps may replay CUDA graphs: graphs are on, the
+    /// Turns CUDA graphs of steps with prefills on or off (pure-decode
+    /// steps keep theirs while graphs are on).
+    pub(super) fn set_mixed_graphs(&mut self, enable: bool) {
+        self.mixed_graphs = enable;
+    }
+
+    /// True when steps may replay CUDA graphs: graphs are on, the
     /// crate has the `cuda` feature and the model is on a CUDA device.
     pub(super) fn uses_cuda_graphs(&self) -> bool {
         self.cuda_graphs && cfg!(feature = "cuda") && self.model.device().is_cuda()
     }
 
     /// Captures the decode graphs of every batch bucket up to `max_num_seqs`
-    /// sequences for sequences of up to `max_context` tokens, on padding
-    /// batches of `manager`; returns the graphs ready (0 when graphs are off
-    /// or unavailable).
+    /// sequences for sequences of up to `max_context` tokens, and (with
+    /// graphs of steps with prefills) those of every bucket of a step with
+    /// prefills at the widest table, on padding batches of `manager`;
+    /// returns the graphs ready (0 when graphs are off or unavailable).
     pub(super) fn capture_cuda_graphs(
         &self,
         manager: &BlockManager,
@@ -107,7 +119,9 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
         }
         #[cfg(feature = "cuda")]
         {
-            use super::buckets::{decode_bucket, BATCH_BUCKETS, MIN_TABLE_WIDTH};
+            use super::buckets::{
+                decode_bucket, BATCH_BUCKETS, MIN_TABLE_WIDTH, MIXED_TOKEN_BUCKETS,
+            };
             let bs = self.cache.block_size();
             let Some((_, max_width)) = decode_bucket(1, max_context.div_ceil(bs)) else {
                 return Ok(0);
@@ -126,6 +140,31 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
                     let padding = manager.padding_batch(b, w, &Device::Cpu)?;
                     ready += graphs.capture(self.model, &self.cache, &padding)? as usize;
                     w *= 2;
+                }
+            }
+            if self.mixed_graphs {
+                // Steps with prefills: every (sequences, tokens) bucket a
+                // step of at most `max_num_seqs` sequences can take, at the
+                // widest table (so one width serves every step).
+                graphs.set_mixed_min_width(max_width);
+                let padding = manager.padding_batch(1, graphs.mixed_min_width(), &Device::Cpu)?;
+                let seqs_limit = BATCH_BUCKETS
+                    .iter()
+                    .copied()
+                    .find(|&b| b > self.config.max_num_seqs)
+                    .unwrap_or(0);
+                for &b in BATCH_BUCKETS
+                    .iter()
+                    .rev()
+                    .filter(|&&b| b > 1 && b <= seqs_limit)
+                {
+                    for &t in MIXED_TOKEN_BUCKETS.iter().rev() {
+                        if t <= graphs.mixed_token_limit() {
+                            ready +=
+                                graphs.capture_mixed(self.model, &self.cache, &padding, b, t)?
+                                    as usize;
+                        }
+                    }
                 }
             }
             Ok(ready)
@@ -155,30 +194,47 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
         self.graphs.borrow().stats()
     }
 
-    /// Schedules `work` in `manager` into a batch: on the host for a decode
-    /// step that may replay a graph (its values are copied into the graph's
-    /// inputs), else on the model's device; a pure-decode step plans
-    /// split-KV for its bucket's width.
+    /// Schedules `work` in `manager` into a batch: on the host for a step
+    /// that may replay a graph (its values are copied into the graph's
+    /// inputs), else on the model's device. A step that a graph bucket
+    /// holds plans its attention for the bucket, graph or not (see
+    /// [`decode_split_plan_keys`] and [`mixed_bucket`]).
     pub(super) fn prepare(
         &self,
         manager: &mut BlockManager,
         work: &[Work],
     ) -> Result<ScheduledBatch> {
-        // A decode step that may replay a graph is built on the host: its
-        // values are copied into the graph's inputs.
-        let graph_step =
-            self.uses_cuda_graphs() && work.iter().all(|w| matches!(w, Work::Decode { .. }));
+        // A step that may replay a graph is built on the host: its values
+        // are copied into the graph's inputs. Its tokens are at most the
+        // work's (prefix-cache hits take some).
+        let work_tokens: usize = work
+            .iter()
+            .map(|w| match w {
+                Work::Prefill { num_tokens, .. } => *num_tokens,
+                _ => 1,
+            })
+            .sum();
+        let all_decode = work.iter().all(|w| matches!(w, Work::Decode { .. }));
+        let graph_step = self.uses_cuda_graphs()
+            && (all_decode || (self.mixed_graphs && work_tokens < MAX_MIXED_GRAPH_TOKENS));
         let device = if graph_step {
             &Device::Cpu
         } else {
             self.model.device()
         };
         let mut batch = manager.schedule(work, device)?;
-        if batch.metadata.batch().host().is_pure_decode() {
+        let host = batch.metadata.batch().host();
+        let (bs, width) = (host.block_size(), host.block_table_width());
+        let plan_keys = if host.is_pure_decode() {
             // Eager or graph, a decode step plans split-KV for its
             // bucket's width (see `decode_split_plan_keys`).
-            let host = batch.metadata.batch().host();
-            let plan_keys = decode_split_plan_keys(host.block_table_width(), host.block_size());
+            Some(decode_split_plan_keys(width, bs))
+        } else {
+            #[cfg(feature = "cuda")]
+            let width = width.max(self.graphs.borrow().mixed_min_width());
+            mixed_bucket(host.num_seqs(), host.num_tokens(), width, bs).map(|(_, _, w)| w * bs)
+        };
+        if let Some(plan_keys) = plan_keys {
             batch.metadata = batch
                 .metadata
                 .with_graph_mode(GraphMode::Replayable { plan_keys });
@@ -200,21 +256,22 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
         picks: &[RowPick],
     ) -> Result<StepLogits> {
         let dev = self.model.device();
-        let input = || Tensor::new(batch.token_ids.as_slice(), dev);
-        if ready.is_empty() {
-            // Only prompt chunks that do not end their prompts: the keys and
-            // values are stored, no logits are needed (one row is computed).
-            self.model
-                .forward(&input()?, &batch.metadata, &self.cache, &[0])?;
-            return Ok(StepLogits { tokens: Vec::new() });
-        }
-        let rows: Vec<usize> = ready.iter().map(|&i| batch.last_rows[i]).collect();
+        // Only prompt chunks that do not end their prompts: the keys and
+        // values are stored, no logits are needed (one row is computed).
+        let rows: Vec<usize> = match ready {
+            [] => vec![0],
+            _ => ready.iter().map(|&i| batch.last_rows[i]).collect(),
+        };
         let logits = if batch.metadata.device().is_cpu() && !dev.is_cpu() {
             self.host_built_forward(manager, batch, &rows)?
         } else {
+            let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
             self.model
-                .forward(&input()?, &batch.metadata, &self.cache, &rows)?
+                .forward(&input, &batch.metadata, &self.cache, &rows)?
         };
+        if ready.is_empty() {
+            return Ok(StepLogits { tokens: Vec::new() });
+        }
         let vocab = self.model.vocab_size();
         if logits.dims() != [rows.len(), vocab] {
             bail!(
@@ -235,25 +292,28 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
         })
     }
 
-    /// Runs a decode step whose metadata was built on the host: through its
-    /// CUDA graph when one applies, else eagerly on the metadata moved to
-    /// the model's device.
+    /// Runs a step whose metadata was built on the host: through its CUDA
+    /// graph when one applies, else eagerly on the metadata moved to the
+    /// model's device.
     fn host_built_forward(
         &self,
         manager: &BlockManager,
         batch: &ScheduledBatch,
         rows: &[usize],
     ) -> Result<Tensor> {
-        // A graph computes the logits of every row, in order.
         #[cfg(feature = "cuda")]
-        if rows.iter().copied().eq(0..batch.metadata.num_tokens()) {
+        {
             self.size_graph_scratch(manager)?;
             let graphs = self.graphs.try_borrow_mut();
             let mut graphs =
-                graphs.map_err(|_| Error::Msg(format!("{OP}: the decode graphs are in use")))?;
-            if let Some(logits) =
-                graphs.forward(self.model, &self.cache, &batch.token_ids, &batch.metadata)?
-            {
+                graphs.map_err(|_| Error::Msg(format!("{OP}: the step graphs are in use")))?;
+            if let Some(logits) = graphs.forward(
+                self.model,
+                &self.cache,
+                &batch.token_ids,
+                &batch.metadata,
+                rows,
+            )? {
                 return Ok(logits);
             }
         }
@@ -271,7 +331,8 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
 
     /// Runs, once before the first CUDA-graph capture, the largest eager
     /// forward passes the engine will ever run: a step of
-    /// `max(max_batch_tokens, max_num_seqs)` tokens and a decode of 8
+    /// `max(max_batch_tokens, max_num_seqs)` tokens (no graph holds more:
+    /// see [`StepGraphs::with_mixed_token_limit`]) and a decode of 8
     /// sequences, on padding sequences that store nothing.
     ///
     /// Some kernels keep grow-only scratch buffers (candle's quantized

@@ -627,7 +627,7 @@ impl DecoderStack {
                 .map_or(&self.norm, |l| &l.input_layernorm);
             (x, normed) = next.add_forward(&x, &h)?;
         }
-        select_rows(c, &normed, rows)?
+        select_rows(c, &normed, rows, metadata)?
             .apply(&self.lm_head)?
             .to_dtype(DType::F32)
     }

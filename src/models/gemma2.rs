@@ -340,9 +340,10 @@ impl GemmaTrunk {
         component: &str,
         normed: &Tensor,
         rows: &[usize],
+        metadata: &AttentionMetadata,
     ) -> Result<Tensor> {
         let logits = linear(
-            &select_rows(component, normed, rows)?,
+            &select_rows(component, normed, rows, metadata)?,
             self.lm_head.weight(),
             self.lm_head.bias(),
         )?;
@@ -464,6 +465,6 @@ impl PagedModel for Gemma2 {
             cache,
             metadata,
         )?;
-        self.trunk.logits(OP, &normed, rows)
+        self.trunk.logits(OP, &normed, rows, metadata)
     }
 }

@@ -222,6 +222,6 @@ impl PagedModel for Gemma3 {
             }
         };
         let normed = run_layers(&self.layers, self.trunk.norm(), x, rotary, cache, metadata)?;
-        self.trunk.logits(OP, &normed, rows)
+        self.trunk.logits(OP, &normed, rows, metadata)
     }
 }

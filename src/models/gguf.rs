@@ -19,6 +19,7 @@ use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use super::layers::QProjections;
 use super::limits::gguf::check_tensor;
 use super::select_rows;
+use crate::metadata::AttentionMetadata;
 
 /// Fails unless `dtype` is an activation dtype of the GGUF models: f32,
 /// bf16 or f16. `component` names the model in the message.
@@ -164,9 +165,10 @@ pub(crate) fn lm_head(
     component: &str,
     x: &Tensor,
     rows: &[usize],
+    metadata: &AttentionMetadata,
     norm: &impl Module,
     output: &QMatMul,
 ) -> Result<Tensor> {
-    let x = select_rows(component, x, rows)?.apply(norm)?;
+    let x = select_rows(component, x, rows, metadata)?.apply(norm)?;
     output.forward(&x)?.to_dtype(DType::F32)
 }

@@ -192,14 +192,32 @@ pub trait PagedModel {
 }
 
 /// Picks the hidden states of `rows` out of `(num_tokens, hidden)` `xs`.
+///
+/// When `metadata` carries logit rows equal to `rows`
+/// ([`AttentionMetadata::with_logit_rows`]) on `xs`' device, they index the
+/// rows (a captured CUDA graph then reads the rows of each replay);
+/// otherwise the rows are uploaded here.
 #[cfg(feature = "models")]
-fn select_rows(component: &str, xs: &Tensor, rows: &[usize]) -> Result<Tensor> {
+fn select_rows(
+    component: &str,
+    xs: &Tensor,
+    rows: &[usize],
+    metadata: &AttentionMetadata,
+) -> Result<Tensor> {
     let n = xs.dim(0)?;
     if rows.is_empty() {
         candle_core::bail!("{component}: no logit rows requested");
     }
     if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
         candle_core::bail!("{component}: logit row {bad} is out of range for {n} tokens");
+    }
+    if let Some((host, idx)) = metadata.logit_rows() {
+        if idx.device().same_device(xs.device())
+            && host.len() == rows.len()
+            && host.iter().zip(rows).all(|(&h, &r)| h as usize == r)
+        {
+            return xs.index_select(idx, 0);
+        }
     }
     let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
     let idx = Tensor::from_vec(idx, rows.len(), xs.device())?;

@@ -609,7 +609,7 @@ impl PagedModel for QuantizedGemma3 {
         };
         if x.device().is_cuda() {
             let Some(first) = self.layers.first() else {
-                return lm_head(OP, &x, rows, &self.norm, &self.output);
+                return lm_head(OP, &x, rows, metadata, &self.norm, &self.output);
             };
             let mut normed = first.attn_norm.fused(&x)?;
             for (i, layer) in self.layers.iter().enumerate() {
@@ -623,13 +623,13 @@ impl PagedModel for QuantizedGemma3 {
                     metadata,
                 )?;
             }
-            let normed = select_rows(OP, &normed, rows)?;
+            let normed = select_rows(OP, &normed, rows, metadata)?;
             return self.output.forward(&normed)?.to_dtype(DType::F32);
         }
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(&x, rotary(layer), cache.layer(i)?, metadata)?;
         }
-        lm_head(OP, &x, rows, &self.norm, &self.output)
+        lm_head(OP, &x, rows, metadata, &self.norm, &self.output)
     }
 }
 

@@ -605,7 +605,7 @@ impl PagedModel for QuantizedLlama {
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.attn_norm);
             (x, normed) = next.add_forward(&x, &h)?;
         }
-        let x = select_rows(op, &normed, rows)?;
+        let x = select_rows(op, &normed, rows, metadata)?;
         self.output.forward(&x)?.to_dtype(DType::F32)
     }
 }
