@@ -79,11 +79,12 @@ struct Args {
     /// Request bodies larger than this many bytes are answered 413.
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
-    /// On CUDA: decode graphs are captured at start-up for sequences of up
-    /// to this many tokens (longer ones capture theirs on first use).
+    /// On CUDA: the step graphs (decode steps and steps with prefills) are
+    /// captured at start-up for sequences of up to this many tokens (longer
+    /// ones capture theirs on first use).
     #[arg(long, default_value_t = 4096)]
     cuda_graph_context: usize,
-    /// On CUDA: capture each decode graph on its first step instead.
+    /// On CUDA: capture each step graph on its first step instead.
     #[arg(long)]
     lazy_cuda_graphs: bool,
     /// Seconds running requests get to finish after Ctrl-C.

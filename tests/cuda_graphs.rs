@@ -13,8 +13,8 @@
 //!   file, else `scripts/fetch-smollm2.sh` fetches it). A request may part
 //!   at a near tie (the replayed step, padded to its bucket and planned for
 //!   the bucket's table width, rounds differently from the eager one: in
-//!   bf16, and in f32 for a step with prefills, whose dequantized matmul
-//!   runs on more rows; the skinny matmul's rows are not the cause, see
+//!   bf16, and in f32 for a step with prefills, whose quantized matmuls
+//!   run on more rows; the skinny matmul's rows are not the cause, see
 //!   `tests/layer_ops.rs`): both tokens must then be within 3% (bf16) or
 //!   1e-3 (f32) of the largest logit, and at least half of the requests
 //!   must match to the end;
@@ -171,8 +171,8 @@ fn near_tie(
 /// front when `precapture`) and checks the tokens match and the graphs ran.
 /// With `tie_rel > 0`, a request may part at a near tie (see [`near_tie`]:
 /// both tokens within `tie_rel` of the largest logit; 3% in 16-bit
-/// activations, 1e-3 in f32 over quantized weights, whose dequantized
-/// matmuls of another row count (a padded step's) round differently: one
+/// activations, 1e-3 in f32 over quantized weights, whose matmuls of
+/// another row count (a padded step's) round differently: one
 /// SmolLM2 request parted at two tokens 1.7e-4 of the largest logit apart
 /// on an H100); at least half
 /// of the requests must still match to the end. `tie_rel == 0`: every

@@ -156,8 +156,8 @@ impl<'m> EngineBuilder<'m> {
         self
     }
 
-    /// Captures the decode graphs for sequences of up to `max_context`
-    /// tokens before the engine is returned
+    /// Captures the step graphs (decode steps and steps with prefills) for
+    /// sequences of up to `max_context` tokens before the engine is returned
     /// ([`Engine::capture_cuda_graphs`]); `None` (the default) captures
     /// each on first use.
     pub fn capture_graphs_up_to(mut self, max_context: Option<usize>) -> Self {

@@ -85,9 +85,10 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Failed steps retried in a row before the live requests fail.
     pub step_retries: usize,
-    /// Capture the decode CUDA graphs for sequences of up to this many
-    /// tokens before serving (see `Engine::capture_cuda_graphs`); `None`:
-    /// each is captured on its first step.
+    /// Capture the CUDA graphs (decode steps and steps with prefills) for
+    /// sequences of up to this many tokens before serving (see
+    /// `Engine::capture_cuda_graphs`); `None`: each is captured on its first
+    /// step.
     pub capture_graphs_up_to: Option<usize>,
 }
 
@@ -263,12 +264,9 @@ where
                 let start = Instant::now();
                 match engine.capture_cuda_graphs(context.min(model.max_seq_len())) {
                     Ok(0) => {}
-                    Ok(n) => eprintln!(
-                        "{OP}: {n} decode CUDA graphs captured in {:.2?}",
-                        start.elapsed()
-                    ),
-                    // Decode steps then capture on first use, or run eagerly.
-                    Err(e) => eprintln!("{OP}: capturing the decode CUDA graphs: {e}"),
+                    Ok(n) => eprintln!("{OP}: {n} CUDA graphs captured in {:.2?}", start.elapsed()),
+                    // Steps then capture on first use, or run eagerly.
+                    Err(e) => eprintln!("{OP}: capturing the CUDA graphs: {e}"),
                 }
             }
             let info = ModelInfo {

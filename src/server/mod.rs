@@ -94,9 +94,10 @@ pub struct ServeConfig {
     /// New tokens when a request gives no `max_tokens` (never more than
     /// the context leaves); `None`: what the context leaves.
     pub default_max_tokens: Option<usize>,
-    /// On CUDA: capture the decode graphs for sequences of up to this many
-    /// tokens at start-up, so that no request waits for a capture; `None`:
-    /// each graph is captured on its first step.
+    /// On CUDA: capture the step graphs (decode steps, and steps with
+    /// prefills: see `Engine::capture_cuda_graphs`) for sequences of up to
+    /// this many tokens at start-up, so that no request waits for a
+    /// capture; `None`: each graph is captured on its first step.
     pub capture_graphs_up_to: Option<usize>,
 }
 
