@@ -24,6 +24,9 @@
 //! allocation and a one-element kernel).
 //!
 //! `--segments N` forces the split-KV segment count (`KvSplit::Segments`).
+//! `--plan-keys N` plans as a CUDA-graph step does (`KvSplit::AutoUpTo`:
+//! split-KV for up to `N` keys, and a batch with prefills planned for its
+//! shape alone, both launches of a mixed batch included).
 //! `--clean-flush` reads a second 256 MiB buffer after each memset, so that
 //! the L2 holds clean lines only when a rep starts: the memset leaves dirty
 //! lines, which the timed forward writes back as its reads evict them (a
@@ -59,6 +62,8 @@ struct Args {
     ceilings: bool,
     /// Forced split-KV segments (`KvSplit::Segments`); the plan's own when unset.
     segments: Option<u32>,
+    /// Plan as a replayable step (`KvSplit::AutoUpTo`) for this many keys.
+    plan_keys: Option<u32>,
     /// After each rep's memset, read a second 256 MiB buffer, so that the L2
     /// holds clean lines only (a diagnostic: vLLM's harness flushes with the
     /// memset alone).
@@ -75,6 +80,7 @@ fn parse_args() -> Result<Args> {
         target_ms: 100.0,
         ceilings: true,
         segments: None,
+        plan_keys: None,
         clean_flush: false,
     };
     let mut it = std::env::args().skip(1);
@@ -88,9 +94,10 @@ fn parse_args() -> Result<Args> {
             "--target-ms" => args.target_ms = value("--target-ms")?.parse()?,
             "--no-ceilings" => args.ceilings = false,
             "--segments" => args.segments = Some(value("--segments")?.parse()?),
+            "--plan-keys" => args.plan_keys = Some(value("--plan-keys")?.parse()?),
             "--clean-flush" => args.clean_flush = true,
             "-h" | "--help" => {
-                println!("bench [--shapes shapes.json] [--out ours.jsonl] [--min-reps N] [--max-reps N] [--target-ms MS] [--no-ceilings] [--segments N] [--clean-flush] [CASE...]");
+                println!("bench [--shapes shapes.json] [--out ours.jsonl] [--min-reps N] [--max-reps N] [--target-ms MS] [--no-ceilings] [--segments N] [--plan-keys N] [--clean-flush] [CASE...]");
                 std::process::exit(0);
             }
             s if s.starts_with("--") => bail!("unknown option {s}"),
@@ -273,6 +280,9 @@ fn run_case(c: &Value, dev: &Device, timer: &mut Timer, args: &Args, seed: u64) 
         .with_sliding_window(window);
     if let Some(k) = args.segments {
         params = params.with_kv_split(KvSplit::Segments(k));
+    }
+    if let Some(keys) = args.plan_keys {
+        params = params.with_kv_split(KvSplit::AutoUpTo(keys));
     }
 
     let path = cuda_launch_plan(&q, &params)?;

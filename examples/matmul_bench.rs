@@ -17,6 +17,9 @@
 //! the memory's peak (an H100 gave 2.39 TB/s where a driver memcpy gives
 //! about 3.0), so large weights can show more than 100%: compare the two
 //! sides' shares, not a share with 100%.
+//! `--prefill-rows 256,448,512` times the linear layer (`linear`: cuBLAS at
+//! these row counts) alone at larger row counts, in TFLOP/s and µs per row:
+//! whether a step's token count changes how fast its matmuls run.
 //! `CANDLE_PAGED_ATTENTION_SKINNY_MATMUL` does not apply here: both sides
 //! are called directly. `CANDLE_PAGED_ATTENTION_SKINNY_KERNEL=fma` runs
 //! the FMA kernel on the skinny side instead of the tensor-core one.
@@ -25,7 +28,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_paged_attention::{skinny_matmul, SKINNY_MAX_ROWS};
+use candle_paged_attention::{linear, skinny_matmul, SKINNY_MAX_ROWS};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -40,6 +43,9 @@ struct Args {
     /// Timed calls per measurement.
     #[arg(long, default_value_t = 200)]
     iters: usize,
+    /// Larger row counts, timed through `linear` alone (cuBLAS).
+    #[arg(long, value_delimiter = ',')]
+    prefill_rows: Vec<usize>,
 }
 
 fn shapes(args: &Args) -> Result<Vec<(String, usize, usize)>> {
@@ -135,6 +141,36 @@ fn main() -> Result<()> {
                 cublas / skinny,
                 pct(cublas),
                 pct(skinny)
+            );
+        }
+    }
+    if !args.prefill_rows.is_empty() {
+        prefill_table(&args, &dev)?;
+    }
+    Ok(())
+}
+
+/// `linear` at the `--prefill-rows` row counts over each weight shape:
+/// µs per call, TFLOP/s and µs per row.
+fn prefill_table(args: &Args, dev: &Device) -> Result<()> {
+    println!("\n| weight | n x k | m | linear µs | TFLOP/s | µs per row |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for (name, n, k) in shapes(args)? {
+        let bytes = (n * k * 2) as f64;
+        let copies = ((512usize << 20) as f64 / bytes).ceil().max(1.0) as usize;
+        let ws: Vec<Tensor> = (0..copies)
+            .map(|_| Tensor::randn(0f32, 0.02, (n, k), dev)?.to_dtype(DType::BF16))
+            .collect::<candle_core::Result<_>>()?;
+        for &m in &args.prefill_rows {
+            let x = Tensor::randn(0f32, 1.0, (m, k), dev)?.to_dtype(DType::BF16)?;
+            let s = time(dev, args.iters.min(50), |i| {
+                Ok(linear(&x, &ws[i % copies], None)?)
+            })?;
+            println!(
+                "| {name} | {n} x {k} | {m} | {:.1} | {:.0} | {:.3} |",
+                s * 1e6,
+                2.0 * (m * n * k) as f64 / s / 1e12,
+                s * 1e6 / m as f64
             );
         }
     }

@@ -231,31 +231,30 @@ impl AttentionMetadata {
     /// Fails when the batch has prefix ranges, when `num_seqs` is smaller
     /// than the batch, or when `width` is narrower than its tables.
     pub fn padded(&self, num_seqs: usize, width: usize, device: &Device) -> Result<Self> {
-        let extra = num_seqs.saturating_sub(self.num_seqs());
-        let tokens = self.num_tokens().checked_add(extra).ok_or_else(|| {
-            candle_core::Error::Msg(format!("{OP}: {num_seqs} padded sequences overflow usize"))
-        })?;
-        self.padded_to(num_seqs, tokens, width, device)
+        let n = self.num_seqs();
+        let Some(pad_seqs) = num_seqs.checked_sub(n) else {
+            bail!("{OP}: cannot pad {n} sequences to {num_seqs} sequences");
+        };
+        self.pad_with(&vec![1; pad_seqs], width, device)
     }
 
     /// This batch padded to `num_seqs` sequences of `num_tokens` new tokens
     /// in all, with tables `width` blocks wide, uploaded to `device`: the
     /// fixed shape of a captured CUDA graph of a step with prefills.
     ///
-    /// The padding sequences are as in [`Self::padded`], except the last,
-    /// which takes every padding token left over: it has `q` new tokens at
-    /// positions `0..q` (no context), none of them stored (slots -1), over a
-    /// table of block 0. Its rows attend to `q` keys of that block's rows
-    /// and are meant to be ignored. Window groups are padded the same way;
-    /// the split plan and the logit rows are kept.
+    /// The first padding sequence takes every padding token: it has `q`
+    /// new tokens at positions `0..q` (no context), none of them stored
+    /// (slots -1), over a table of block 0; its rows attend to `q` keys of
+    /// that block's rows and are meant to be ignored. The other padding
+    /// sequences have no token and no key (a sequence with no new token is
+    /// skipped by every launch). Window groups are padded the same way; the
+    /// split plan and the logit rows are kept.
     ///
-    /// Fails when the batch has prefix ranges, when `num_seqs` or `width`
-    /// is smaller than the batch's, when the padding sequences cannot each
-    /// take at least one token (`num_tokens - self.num_tokens() <
-    /// num_seqs - self.num_seqs()`), when no padding sequence would take
-    /// the extra tokens (`num_seqs == self.num_seqs()` but `num_tokens` is
-    /// larger), or when the last padding sequence's tokens do not fit a
-    /// table of `width` blocks.
+    /// Fails when the batch has prefix ranges, when `num_seqs`,
+    /// `num_tokens` or `width` is smaller than the batch's, when padding
+    /// tokens have no padding sequence to take them (`num_seqs ==
+    /// self.num_seqs()` but `num_tokens` is larger), or when they do not
+    /// fit a table of `width` blocks.
     pub fn padded_to(
         &self,
         num_seqs: usize,
@@ -270,24 +269,29 @@ impl AttentionMetadata {
         let (Some(pad_seqs), Some(pad_tokens)) = (pad_seqs, pad_tokens) else {
             bail!("{OP}: cannot pad {n} sequences of {total} tokens to {num_seqs} sequences of {num_tokens} tokens");
         };
-        if pad_tokens < pad_seqs || (pad_seqs == 0 && pad_tokens > 0) {
-            bail!(
-                "{OP}: {pad_seqs} padding sequences cannot take {pad_tokens} padding tokens (each takes at least one)"
-            );
+        if pad_seqs == 0 && pad_tokens > 0 {
+            bail!("{OP}: {pad_tokens} padding tokens but no padding sequence to take them");
         }
-        if u32::try_from(num_tokens).is_err() {
+        let Ok(first) = u32::try_from(pad_tokens) else {
             bail!("{OP}: {num_tokens} padded tokens overflow cu_seqlens_q (u32)");
-        }
-        // Tokens of each padding sequence: one each, the rest to the last.
+        };
         let lens: Vec<u32> = (0..pad_seqs)
-            .map(|k| {
-                if k + 1 == pad_seqs {
-                    (pad_tokens - (pad_seqs - 1)) as u32
-                } else {
-                    1
-                }
-            })
+            .map(|k| if k == 0 { first } else { 0 })
             .collect();
+        self.pad_with(&lens, width, device)
+    }
+
+    /// This batch with one padding sequence of `lens[k]` new tokens (no
+    /// context, none stored, a table of block 0) per entry of `lens`, every
+    /// table widened to `width`, uploaded to `device` (see [`Self::padded`]
+    /// and [`Self::padded_to`]).
+    fn pad_with(&self, lens: &[u32], width: usize, device: &Device) -> Result<Self> {
+        let n = self.num_seqs();
+        let num_seqs = n + lens.len();
+        let added: u64 = lens.iter().map(|&q| q as u64).sum();
+        if (self.num_tokens() as u64).saturating_add(added) > u32::MAX as u64 {
+            bail!("{OP}: {added} padding tokens overflow cu_seqlens_q (u32)");
+        }
         let pad = |batch: &PagedBatch, slots: &SlotMapping| -> Result<(PagedBatch, SlotMapping)> {
             let host = batch.host();
             if has_ranges(host) {
@@ -310,9 +314,10 @@ impl AttentionMetadata {
                 tables[i * width..i * width + row.len()].copy_from_slice(row);
             }
             let mut slot_vec = slots.host().to_vec();
-            // Sums stay <= num_tokens, which fits u32 (checked above).
+            // Sums stay <= the padded token count, which fits u32 (checked
+            // above).
             let mut last = cu.last().copied().unwrap_or(0);
-            for &q in &lens {
+            for &q in lens {
                 last += q;
                 cu.push(last);
                 seq_lens.push(q);
@@ -782,16 +787,16 @@ mod tests {
             .unwrap()
             .with_logit_rows(&[2, 3])
             .unwrap();
-        // 2 -> 4 sequences, 4 -> 9 tokens, width 3 -> 4: one padding
-        // sequence of 1 token, the last of 4.
+        // 2 -> 4 sequences, 4 -> 9 tokens, width 3 -> 4: the first padding
+        // sequence takes the 5 padding tokens, the second none.
         let p = m.padded_to(4, 9, 4, &dev).unwrap();
         let host = p.batch().host();
-        assert_eq!(host.cu_seqlens_q(), [0, 3, 4, 5, 9]);
-        assert_eq!(host.seq_lens(), [3, 5, 1, 4]);
+        assert_eq!(host.cu_seqlens_q(), [0, 3, 4, 9, 9]);
+        assert_eq!(host.seq_lens(), [3, 5, 5, 0]);
         assert_eq!(host.block_table_width(), 4);
         assert_eq!(host.block_table(1), [2, 3, 4, 0]);
         assert_eq!(p.slot_mapping().host(), [0, 1, 2, 8, -1, -1, -1, -1, -1]);
-        assert_eq!(p.positions_host(), [0, 1, 2, 4, 0, 0, 1, 2, 3]);
+        assert_eq!(p.positions_host(), [0, 1, 2, 4, 0, 1, 2, 3, 4]);
         assert_eq!(
             p.window_groups()[0].slot_mapping().host()[..4],
             [10, 11, 12, 14]
@@ -802,19 +807,20 @@ mod tests {
         let tensors = p.tensors();
         assert_eq!(tensors.len(), 10);
         assert_eq!(tensors[9].to_vec1::<u32>().unwrap(), [2, 3]);
+        // No padding token: empty padding sequences.
+        let e = m.padded_to(4, 4, 3, &dev).unwrap();
+        assert_eq!(e.batch().host().cu_seqlens_q(), [0, 3, 4, 4, 4]);
+        assert_eq!(e.batch().host().seq_lens(), [3, 5, 0, 0]);
         // `padded` still adds one token per sequence.
-        let d = m.padded(3, 3, &dev).unwrap();
-        assert_eq!(d.batch().host().cu_seqlens_q(), [0, 3, 4, 5]);
-        // Refused: fewer tokens than padding sequences, extra tokens and no
-        // padding sequence, a last padding sequence past its table, rows
-        // out of range.
-        let err = m.padded_to(4, 5, 4, &dev).unwrap_err().to_string();
+        let d = m.padded(4, 3, &dev).unwrap();
+        assert_eq!(d.batch().host().cu_seqlens_q(), [0, 3, 4, 5, 6]);
+        // Refused: extra tokens and no padding sequence, padding tokens past
+        // their table, rows out of range.
+        let err = m.padded_to(2, 6, 4, &dev).unwrap_err().to_string();
         assert!(
-            err.contains("2 padding sequences cannot take 1 padding tokens"),
+            err.contains("2 padding tokens but no padding sequence"),
             "{err}"
         );
-        let err = m.padded_to(2, 6, 4, &dev).unwrap_err().to_string();
-        assert!(err.contains("0 padding sequences cannot take 2"), "{err}");
         let err = m.padded_to(3, 14, 4, &dev).unwrap_err().to_string();
         assert!(err.contains("needs 5 blocks of 2"), "{err}");
         let err = metadata().with_logit_rows(&[4]).unwrap_err().to_string();

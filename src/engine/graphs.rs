@@ -361,9 +361,10 @@ impl StepGraphs {
     /// sequence of one token ([`BlockManager::padding_batch`](crate::BlockManager::padding_batch)
     /// with one sequence, built on the CPU). Returns whether a graph of that
     /// shape is ready: false where its capture failed, the shape holds no
-    /// step with prefills (`num_tokens <= num_seqs`), its last padding
-    /// sequence does not fit the tables, or [`MAX_MIXED_GRAPHS`] are
-    /// captured.
+    /// step with prefills (`2 num_tokens <= num_seqs`: a step with prefills
+    /// has more tokens than sequences, and more sequences than half its
+    /// bucket), its padding tokens do not fit the tables, or
+    /// [`MAX_MIXED_GRAPHS`] are captured.
     pub fn capture_mixed<M: PagedModel + ?Sized>(
         &mut self,
         model: &M,
@@ -381,10 +382,12 @@ impl StepGraphs {
         if self.graphs.contains_key(&key) {
             return Ok(self.graphs[&key].is_some());
         }
-        // The last padding sequence takes what the others (one token each)
-        // leave; a step with prefills has more tokens than sequences.
-        if num_tokens <= num_seqs
-            || num_tokens - (num_seqs - 1) > w * bs
+        // The first padding sequence takes the padding tokens. A step with
+        // prefills has more tokens than sequences, and more than half as
+        // many sequences as its bucket (`mixed_bucket`): smaller token
+        // counts hold none.
+        if 2 * num_tokens <= num_seqs
+            || num_tokens - 1 > w * bs
             || self.stats.mixed_captured >= MAX_MIXED_GRAPHS
         {
             return Ok(false);

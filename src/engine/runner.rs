@@ -62,7 +62,7 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
         #[cfg(not(feature = "cuda"))]
         let _ = config;
         #[cfg(feature = "cuda")]
-        let mixed_token_limit = config.max_batch_tokens.max(config.max_num_seqs);
+        let mixed_token_limit = mixed_graph_token_limit(&config);
         Self {
             model,
             cache,
@@ -331,9 +331,10 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
 
     /// Runs, once before the first CUDA-graph capture, the largest eager
     /// forward passes the engine will ever run: a step of
-    /// `max(max_batch_tokens, max_num_seqs)` tokens (no graph holds more:
-    /// see [`StepGraphs::with_mixed_token_limit`]) and a decode of 8
-    /// sequences, on padding sequences that store nothing.
+    /// `max(max_batch_tokens, max_num_seqs)` tokens, or of the most tokens
+    /// a graph of a step with prefills may hold when that is more (see
+    /// [`mixed_graph_token_limit`]), and a decode of 8 sequences, on
+    /// padding sequences that store nothing.
     ///
     /// Some kernels keep grow-only scratch buffers (candle's quantized
     /// matmuls: one for batches of up to 8 rows, one for larger ones) and
@@ -347,7 +348,11 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
             return Ok(());
         }
         let dev = self.model.device();
-        let largest = self.config.max_batch_tokens.max(self.config.max_num_seqs);
+        let largest = self
+            .config
+            .max_batch_tokens
+            .max(self.config.max_num_seqs)
+            .max(mixed_graph_token_limit(&self.config));
         for (seqs, logit_rows) in [(largest, self.config.max_num_seqs.min(largest)), (8, 8)] {
             let padding = manager.padding_batch(seqs, super::buckets::MIN_TABLE_WIDTH, dev)?;
             let input = Tensor::zeros(seqs, candle_core::DType::U32, dev)?;
@@ -357,4 +362,20 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
         self.graph_scratch_sized.set(true);
         Ok(())
     }
+}
+
+/// The most tokens a graph of a step with prefills holds, padding included,
+/// for an engine of `config`: the token bucket above the step budget
+/// (`max_batch_tokens`; a step at the budget pads past it), at most
+/// [`MAX_MIXED_GRAPH_TOKENS`]. The engine runs one eager forward of that
+/// many tokens before its first capture (`size_graph_scratch`).
+#[cfg(feature = "cuda")]
+fn mixed_graph_token_limit(config: &SchedulerConfig) -> usize {
+    use super::buckets::MIXED_TOKEN_BUCKETS;
+    let budget = config.max_batch_tokens.max(config.max_num_seqs);
+    MIXED_TOKEN_BUCKETS
+        .iter()
+        .copied()
+        .find(|&t| t > budget)
+        .unwrap_or(MAX_MIXED_GRAPH_TOKENS)
 }
