@@ -216,7 +216,7 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
             .sum();
         let all_decode = work.iter().all(|w| matches!(w, Work::Decode { .. }));
         let graph_step = self.uses_cuda_graphs()
-            && (all_decode || (self.mixed_graphs && work_tokens < MAX_MIXED_GRAPH_TOKENS));
+            && (all_decode || (self.mixed_graphs && work_tokens <= MAX_MIXED_GRAPH_TOKENS));
         let device = if graph_step {
             &Device::Cpu
         } else {
