@@ -775,18 +775,21 @@ mod tests {
         assert!(!m.is_single_token_prefill());
     }
 
-    #[test]
-    fn pads_to_a_graph_shape_with_rows_kept() {
+    /// [`metadata`] with a window group of window 4 (blocks 5-7, slots
+    /// 10-14).
+    fn with_group() -> AttentionMetadata {
         let dev = Device::Cpu;
         let group =
             PagedBatch::from_rows(&[0, 3, 4], &[3, 5], &[vec![5, 6], vec![0, 0, 7]], 2, &dev)
                 .unwrap();
         let slots = SlotMapping::new(&[10, 11, 12, 14], &dev).unwrap();
-        let m = metadata()
-            .with_window_group(4, group, slots)
-            .unwrap()
-            .with_logit_rows(&[2, 3])
-            .unwrap();
+        metadata().with_window_group(4, group, slots).unwrap()
+    }
+
+    #[test]
+    fn pads_to_a_graph_shape_with_rows_kept() {
+        let dev = Device::Cpu;
+        let m = with_group().with_logit_rows(&[2, 3]).unwrap();
         // 2 -> 4 sequences, 4 -> 9 tokens, width 3 -> 4: the first padding
         // sequence takes the 5 padding tokens, the second none.
         let p = m.padded_to(4, 9, 4, &dev).unwrap();
@@ -832,16 +835,7 @@ mod tests {
 
     #[test]
     fn selects_groups_and_caches_remaps() {
-        let dev = Device::Cpu;
-        let group =
-            PagedBatch::from_rows(&[0, 3, 4], &[3, 5], &[vec![5, 6], vec![0, 0, 7]], 2, &dev)
-                .unwrap();
-        let slots = SlotMapping::new(&[10, 11, 12, 14], &dev).unwrap();
-        let m = metadata()
-            .with_window_group(4, group, slots)
-            .unwrap()
-            .with_local_chunks(&[2])
-            .unwrap();
+        let m = with_group().with_local_chunks(&[2]).unwrap();
         assert_eq!(
             m.for_layer(Some(4), None).unwrap().slot_mapping.host(),
             [10, 11, 12, 14]

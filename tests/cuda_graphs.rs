@@ -41,7 +41,7 @@ use candle_paged_attention::engine::{
 use candle_paged_attention::models::{
     gemma3, llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
 };
-use candle_paged_attention::Work;
+use candle_paged_attention::{BlockManager, Work};
 use rand::{Rng, SeedableRng};
 
 /// How request `i` of `max_tokens` new tokens at most picks its tokens:
@@ -382,6 +382,84 @@ cuda_test! {
     }
 }
 
+/// Adds `prompts` as sequences `0..` of `manager` and prefills them in
+/// one eager step; returns each one's greedy next token.
+fn prefill_all(
+    model: &dyn PagedModel,
+    cache: &PagedKvCache,
+    manager: &mut BlockManager,
+    prompts: &[Vec<u32>],
+) -> Result<Vec<u32>> {
+    let dev = model.device();
+    let mut work = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        manager.add_sequence(i as u64, p)?;
+        work.push(Work::Prefill {
+            seq_id: i as u64,
+            num_tokens: p.len(),
+        });
+    }
+    let batch = manager.schedule(&work, dev)?;
+    let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
+    Ok(model
+        .forward(&input, &batch.metadata, cache, &batch.last_rows)?
+        .argmax(candle_core::D::Minus1)?
+        .to_vec1::<u32>()?)
+}
+
+/// Schedules `work` on the host, runs it through `graphs` and eagerly (the
+/// same metadata moved to the device), and checks that the logits of each
+/// sequence's last row agree within f32 noise; returns each row's greedy
+/// token.
+fn replay_equals_eager(
+    graphs: &mut StepGraphs,
+    model: &dyn PagedModel,
+    cache: &PagedKvCache,
+    manager: &mut BlockManager,
+    work: &[Work],
+    label: &str,
+) -> Result<Vec<u32>> {
+    let dev = model.device();
+    let batch = manager.schedule(work, &Device::Cpu)?;
+    let rows = batch.last_rows.clone();
+    let replayed = graphs
+        .forward(model, cache, &batch.token_ids, &batch.metadata, &rows)?
+        .with_context(|| format!("{label}: the step must run through a graph"))?;
+    let host = batch.metadata.batch().host();
+    let on_dev = batch
+        .metadata
+        .padded(host.num_seqs(), host.block_table_width(), dev)?;
+    let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
+    let eager = model.forward(&input, &on_dev, cache, &rows)?;
+    let diff = (&replayed - &eager)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    let scale = eager.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    eprintln!(
+        "{label} ({} tokens): max |graph - eager| {diff:e} (max |logit| {scale})",
+        batch.token_ids.len()
+    );
+    ensure!(
+        diff <= 1e-4 * scale.max(1.0),
+        "{label}: logits differ by {diff}"
+    );
+    Ok(replayed.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
+}
+
+/// Decodes of sequences `0..tokens.len()`, each appending its token.
+fn decodes(tokens: &[u32]) -> Vec<Work> {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &token)| Work::Decode {
+            seq_id: i as u64,
+            token,
+        })
+        .collect()
+}
+
 cuda_test! {
     fn replayed_logits_equal_eager_logits(dev: &Device) -> Result<()> {
         let _serial = serial();
@@ -395,38 +473,18 @@ cuda_test! {
         )?;
         let mut manager = cache.block_manager()?;
         let prompts = random_prompts(6, &[40, 300, 7], cfg.vocab_size);
-        let mut work = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            manager.add_sequence(i as u64, p)?;
-            work.push(Work::Prefill { seq_id: i as u64, num_tokens: p.len() });
-        }
-        let batch = manager.schedule(&work, dev)?;
-        let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
-        let mut next = model
-            .forward(&input, &batch.metadata, &cache, &batch.last_rows)?
-            .argmax(candle_core::D::Minus1)?
-            .to_vec1::<u32>()?;
+        let mut next = prefill_all(&model, &cache, &mut manager, &prompts)?;
         let mut graphs = StepGraphs::new();
         // Several replays of one graph: each must read the step's new values.
         for step in 0..5 {
-            let work: Vec<Work> = next
-                .iter()
-                .enumerate()
-                .map(|(i, &token)| Work::Decode { seq_id: i as u64, token })
-                .collect();
-            let batch = manager.schedule(&work, &Device::Cpu)?;
-            let replayed = graphs
-                .forward(&model, &cache, &batch.token_ids, &batch.metadata, &[0, 1, 2])?
-                .context("a pure-decode step must run through a graph")?;
-            let host = batch.metadata.batch().host();
-            let on_dev = batch.metadata.padded(host.num_seqs(), host.block_table_width(), dev)?;
-            let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
-            let eager = model.forward(&input, &on_dev, &cache, &[0, 1, 2])?;
-            let diff = (&replayed - &eager)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-            let scale = eager.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-            eprintln!("step {step}: max |graph - eager| {diff:e} (max |logit| {scale})");
-            ensure!(diff <= 1e-4 * scale.max(1.0), "step {step}: logits differ by {diff}");
-            next = replayed.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+            next = replay_equals_eager(
+                &mut graphs,
+                &model,
+                &cache,
+                &mut manager,
+                &decodes(&next),
+                &format!("step {step}"),
+            )?;
         }
         ensure!(graphs.stats().captured == 1 && graphs.stats().replays == 5, "{:?}", graphs.stats());
         Ok(())
@@ -452,50 +510,16 @@ cuda_test! {
         )?;
         let mut manager = cache.block_manager()?;
         let prompts = random_prompts(11, &[40, 300, 7, 150, 90], cfg.vocab_size);
-        let mut work = Vec::new();
-        for (i, p) in prompts.iter().take(3).enumerate() {
-            manager.add_sequence(i as u64, p)?;
-            work.push(Work::Prefill { seq_id: i as u64, num_tokens: p.len() });
-        }
-        let batch = manager.schedule(&work, dev)?;
-        let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
-        let mut next = model
-            .forward(&input, &batch.metadata, &cache, &batch.last_rows)?
-            .argmax(candle_core::D::Minus1)?
-            .to_vec1::<u32>()?;
+        let mut next = prefill_all(&model, &cache, &mut manager, &prompts[..3])?;
         manager.add_sequence(3, &prompts[3])?;
         let mut graphs = StepGraphs::new();
-        let check = |graphs: &mut StepGraphs,
-                     manager: &mut candle_paged_attention::BlockManager,
-                     work: &[Work],
-                     step: usize|
-         -> Result<Vec<u32>> {
-            let batch = manager.schedule(work, &Device::Cpu)?;
-            let rows = batch.last_rows.clone();
-            let replayed = graphs
-                .forward(&model, &cache, &batch.token_ids, &batch.metadata, &rows)?
-                .context("a step of at most 512 tokens must run through a graph")?;
-            let host = batch.metadata.batch().host();
-            let on_dev = batch.metadata.padded(host.num_seqs(), host.block_table_width(), dev)?;
-            let input = Tensor::new(batch.token_ids.as_slice(), dev)?;
-            let eager = model.forward(&input, &on_dev, &cache, &rows)?;
-            let diff = (&replayed - &eager)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-            let scale = eager.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-            eprintln!("mixed step {step} ({} tokens): max |graph - eager| {diff:e} (max |logit| {scale})", batch.token_ids.len());
-            ensure!(diff <= 1e-4 * scale.max(1.0), "mixed step {step}: logits differ by {diff}");
-            Ok(replayed.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?)
-        };
         // 150 prompt tokens in chunks of 37, 41, 30, 42 beside 3 decodes:
         // 33 to 45 tokens, one bucket (8 sequences, 64 tokens).
         for (step, chunk) in [37, 41, 30, 42].into_iter().enumerate() {
-            let mut work: Vec<Work> = next
-                .iter()
-                .take(3)
-                .enumerate()
-                .map(|(i, &token)| Work::Decode { seq_id: i as u64, token })
-                .collect();
+            let mut work = decodes(&next[..3]);
             work.push(Work::Prefill { seq_id: 3, num_tokens: chunk });
-            next = check(&mut graphs, &mut manager, &work, step)?;
+            let label = format!("mixed step {step}");
+            next = replay_equals_eager(&mut graphs, &model, &cache, &mut manager, &work, &label)?;
         }
         ensure!(
             graphs.stats().captured == 1 && graphs.stats().mixed_replays == 4,
@@ -504,7 +528,8 @@ cuda_test! {
         );
         // A prefill-only step (90 tokens): another shape, captured too.
         manager.add_sequence(4, &prompts[4])?;
-        check(&mut graphs, &mut manager, &[Work::Prefill { seq_id: 4, num_tokens: 90 }], 4)?;
+        let work = [Work::Prefill { seq_id: 4, num_tokens: 90 }];
+        replay_equals_eager(&mut graphs, &model, &cache, &mut manager, &work, "mixed step 4")?;
         let stats = graphs.stats();
         ensure!(stats.captured == 2 && stats.mixed_captured == 2 && stats.mixed_replays == 5, "{stats:?}");
         Ok(())

@@ -45,7 +45,7 @@
 //! [`Engine::capture_cuda_graphs`](super::Engine::capture_cuda_graphs)
 //! captures the decode buckets and, for steps with prefills, every
 //! (sequences, tokens) bucket at the widest table the engine will need
-//! (one width for all of them: [`StepGraphs::with_mixed_min_width`]);
+//! (one width for all of them: [`StepGraphs::set_mixed_min_width`]);
 //! other shapes are captured on their first step. At most
 //! [`MAX_MIXED_GRAPHS`] graphs of steps with prefills; later shapes run
 //! eagerly.
@@ -167,12 +167,6 @@ impl StepGraphs {
     /// every step up to that many blocks, so that capturing each (sequences,
     /// tokens) bucket once at that width ([`Self::capture_mixed`]) covers
     /// them. Their attention plans split-KV for `width x block_size` keys.
-    pub fn with_mixed_min_width(mut self, width: usize) -> Self {
-        self.set_mixed_min_width(width);
-        self
-    }
-
-    /// As [`Self::with_mixed_min_width`], in place.
     pub fn set_mixed_min_width(&mut self, width: usize) {
         self.mixed_min_width = width
             .max(MIN_TABLE_WIDTH)
@@ -187,7 +181,7 @@ impl StepGraphs {
     }
 
     /// The narrowest table of a graph of a step with prefills, in blocks
-    /// (see [`Self::with_mixed_min_width`]).
+    /// (see [`Self::set_mixed_min_width`]).
     pub fn mixed_min_width(&self) -> usize {
         self.mixed_min_width
     }
@@ -385,9 +379,10 @@ impl StepGraphs {
         // The first padding sequence takes the padding tokens. A step with
         // prefills has more tokens than sequences, and more than half as
         // many sequences as its bucket (`mixed_bucket`): smaller token
-        // counts hold none.
-        if 2 * num_tokens <= num_seqs
-            || num_tokens - 1 > w * bs
+        // counts hold none. (The first test leaves `num_tokens >= 1` for the
+        // second; the padding sequence's one token is the other.)
+        if num_tokens.saturating_mul(2) <= num_seqs
+            || num_tokens - 1 > w.saturating_mul(bs)
             || self.stats.mixed_captured >= MAX_MIXED_GRAPHS
         {
             return Ok(false);

@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use candle_core::Error;
 use candle_core::{bail, Device, Result, Tensor};
 
-use super::buckets::{decode_split_plan_keys, mixed_bucket, MAX_MIXED_GRAPH_TOKENS};
+use super::buckets::{decode_split_plan_keys, MAX_MIXED_GRAPH_TOKENS};
 #[cfg(feature = "cuda")]
 use super::graphs::StepGraphs;
 use super::pick::RowPick;
@@ -198,7 +198,7 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
     /// that may replay a graph (its values are copied into the graph's
     /// inputs), else on the model's device. A step that a graph bucket
     /// holds plans its attention for the bucket, graph or not (see
-    /// [`decode_split_plan_keys`] and [`mixed_bucket`]).
+    /// [`decode_split_plan_keys`] and `Self::mixed_plan_keys`).
     pub(super) fn prepare(
         &self,
         manager: &mut BlockManager,
@@ -230,9 +230,7 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
             // bucket's width (see `decode_split_plan_keys`).
             Some(decode_split_plan_keys(width, bs))
         } else {
-            #[cfg(feature = "cuda")]
-            let width = width.max(self.graphs.borrow().mixed_min_width());
-            mixed_bucket(host.num_seqs(), host.num_tokens(), width, bs).map(|(_, _, w)| w * bs)
+            self.mixed_plan_keys(host.num_seqs(), host.num_tokens(), width, bs)?
         };
         if let Some(plan_keys) = plan_keys {
             batch.metadata = batch
@@ -240,6 +238,35 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
                 .with_graph_mode(GraphMode::Replayable { plan_keys });
         }
         Ok(batch)
+    }
+
+    /// The keys a step with prefills of `num_seqs` sequences and
+    /// `num_tokens` tokens over tables `width` blocks of `block_size`
+    /// plans split-KV for: its graph bucket's `W * block_size`
+    /// (`StepGraphs::mixed_shape`), `None` when no bucket holds it or
+    /// without the `cuda` feature (no launch plan to make).
+    fn mixed_plan_keys(
+        &self,
+        num_seqs: usize,
+        num_tokens: usize,
+        width: usize,
+        block_size: usize,
+    ) -> Result<Option<usize>> {
+        #[cfg(feature = "cuda")]
+        {
+            let graphs = self
+                .graphs
+                .try_borrow()
+                .map_err(|_| Error::Msg(format!("{OP}: the step graphs are in use")))?;
+            Ok(graphs
+                .mixed_shape(num_seqs, num_tokens, width, block_size)
+                .map(|(_, _, w)| w * block_size))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (num_seqs, num_tokens, width, block_size);
+            Ok(None)
+        }
     }
 
     /// Runs the model on `batch` and reads what sampling needs: everything
