@@ -102,6 +102,14 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return r;
 }
 
+// 2^x, flushing subnormal results to 0 (one MUFU.EX2; exp2f adds a range
+// check around it); NaN stays NaN, -inf gives 0.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // Reduction over the 4 lanes of a quad (the lanes holding one row of an MMA
 // accumulator fragment); NaN-propagating.
 __device__ __forceinline__ float quad_max(float x) {
@@ -144,6 +152,21 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+
+// ---- named barriers ------------------------------------------------------------
+// Barrier `id` (1-15; 0 is __syncthreads) of `threads` threads, a multiple
+// of 32: `sync` waits for the others, `arrive` only counts this warp in.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Warp-specialised programs (kernels/prefill_ws.cuh): the producer
+// warpgroup's threads and the named barrier of the consumers.
+constexpr int WS_PRODUCER_THREADS = 128;
+constexpr int WS_BAR_ROWS = 1;      // the consumer warpgroups together
 
 // ---- tensor-core fragments (mma.sync m16n8k16, f32 accumulation) ------------
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {

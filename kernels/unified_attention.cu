@@ -21,6 +21,9 @@
 // * `unified_attention_h{64|128|256}_prefill_wg[_m1]_{f16|bf16}[_fp8]`: the
 //   Hopper (sm_90a) prefill instances, compiled into a module of their own
 //   (see "Hopper" below).
+// * `unified_attention_h{64|128}_prefill_ws_{f16|bf16}`: the same Hopper
+//   program with a producer warpgroup and 128-key tiles, for long
+//   prefills over 16-bit caches (kernels/prefill_ws.cuh).
 // * `reduce_segments_{f16|bf16}`: merges the split-KV partials (and the
 //   sinks) of a launch that does not merge its own (every prefill-shaped
 //   one; decode-shaped ones launched without arrival counters).
@@ -177,7 +180,7 @@ struct IntC {
 // sm_90a instances (see "Hopper" at the top): Q, K and V tiles 128-byte
 // swizzled, every four warps (a warpgroup) multiplying their 64 rows with
 // one warpgroup MMA.
-template <int HEAD_, int WARPS_M_, int WARPS_N_, int KW_, int MT_, int STAGES_, bool WG_ = false>
+template <int HEAD_, int WARPS_M_, int WARPS_N_, int KW_, int MT_, int STAGES_, bool WG_ = false, bool WS_ = false>
 struct Cfg {
   static constexpr int HEAD = HEAD_;
   static constexpr int DV = HEAD_ < 256 ? HEAD_ : 256;
@@ -195,6 +198,13 @@ struct Cfg {
   static constexpr int VS = DV + 8;
   static constexpr int CS = DV + 8;         // merge buffer row stride (floats)
   static constexpr bool WG = WG_;
+  // WS: warp-specialised (kernels/prefill_ws.cuh): the NT threads above
+  // are the consumer warpgroups, and one producer warpgroup of
+  // WS_PRODUCER_THREADS more loads the tiles.
+  static constexpr bool WS = WS_;
+  static constexpr int THREADS = NT + (WS ? WS_PRODUCER_THREADS : 0);
+  static_assert(!WS || (WG && STAGES == 2 && WARPS_M == 8),
+                "warp-specialised instances: two consumer warpgroups of the warpgroup program, two stages");
   static_assert(!WG || (HEAD == DV && HEAD % 64 == 0 && HEAD <= 256 && MT == 1 && WARPS_N == 1 &&
                         WARPS_M % 4 == 0 && KW % 16 == 0 && KW <= 256),
                 "warpgroup instances: whole 64-column atoms, one warp per 16 rows, whole tiles of keys");
@@ -217,7 +227,9 @@ struct Smem {
   static constexpr int MERGE = CF::WARPS_N * CF::BM * CF::CS * 4;
   static constexpr int REGION = TILES > MERGE ? TILES : MERGE;
   static constexpr int ALIGN = CF::WG ? 1024 : 0;
-  static constexpr int TOTAL = ALIGN + Q_BYTES + RED_BYTES + OFF_BYTES + REGION;
+  // WS: the full and empty barriers of the K and V stages (`WsBars`).
+  static constexpr int BAR_BYTES = CF::WS ? 4 * CF::STAGES * 8 : 0;
+  static constexpr int TOTAL = ALIGN + Q_BYTES + RED_BYTES + OFF_BYTES + REGION + BAR_BYTES;
   static_assert(!CF::WG || (Q_BYTES % 1024 == 0 && (CF::BN * CF::HEAD * 2) % 1024 == 0),
                 "warpgroup tiles start on 1024 bytes");
 };
@@ -1103,9 +1115,18 @@ struct AttnProgram {
 
   // ---- epilogue ----
 
+  // A barrier of the threads that hold rows: the whole block, or in a
+  // warp-specialised program its consumer warpgroups (named barrier
+  // WS_BAR_ROWS; the producer may have exited).
+  __device__ __forceinline__ static void rows_sync() {
+    if constexpr (CF::WS) named_bar_sync(WS_BAR_ROWS, NT);
+    else __syncthreads();
+  }
+
   // Merges the warps that split the keys: each warp's row maxima and sums
   // to red_m / red_l, then its accumulator rescaled to the common maximum
-  // into its slice of the merge buffer (over the tiles). Two block barriers.
+  // into its slice of the merge buffer (over the tiles). Two barriers of the
+  // rows' threads (`rows_sync`).
   __device__ __forceinline__ void merge_warps(const Acc& acc, RowMax& m_run, RowMax& l_run) const {
     float* red_m = this->red_m;
     float* red_l = this->red_l;
@@ -1129,7 +1150,7 @@ struct AttnProgram {
         red_l[wn * BM + r + 8] = l_run[mt][1];
       }
     }
-    __syncthreads();
+    rows_sync();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -1150,7 +1171,7 @@ struct AttnProgram {
         }
       }
     }
-    __syncthreads();
+    rows_sync();
   }
 
   // Packed row r, columns d0 .. d0 + 8 of the merge buffer summed over the
@@ -1637,6 +1658,10 @@ __device__ __forceinline__ void scalar_body(const AttnParams& p) {
   prog.write_output();
 }
 
+#if defined(CPA_SM90A)
+#include "prefill_ws.cuh"
+#endif
+
 // ---- entry points ---------------------------------------------------------------
 // Decode-shaped programs: 16 packed rows, 4 warps splitting 64 keys per tile.
 // Prefill-shaped programs: 4 warps of MT x 16 rows (MT = 2 up to head size
@@ -1655,6 +1680,18 @@ __device__ __forceinline__ void scalar_body(const AttnParams& p) {
   extern "C" __global__ void __launch_bounds__(32 * WM * WN, MINB)                                        \
       unified_attention_h##HEAD##_##KIND##_##TNAME##CNAME(const AttnParams p) {                          \
     attention_body<T, C, Cfg<HEAD, WM, WN, KW, MT, ST, WG>>(p);                                          \
+  }
+// The warp-specialised instances (kernels/prefill_ws.cuh): NT consumer
+// threads plus the producer warpgroup, one program per SM; 16-bit caches.
+#define CPA_ATTN_WS(HEAD, KIND, WM, WN, KW, MT, ST, MINB, TNAME, T, CNAME, C)                                \
+  static_assert(Cfg<HEAD, WM, WN, KW, MT, ST, true, true>::THREADS == cpa_plan_h##HEAD##_##KIND##CNAME##_threads, \
+                "threads of unified_attention_h" #HEAD "_" #KIND #CNAME " differ from src/cuda/tiles.rs");      \
+  static_assert(Smem<Cfg<HEAD, WM, WN, KW, MT, ST, true, true>, false>::TOTAL ==                                 \
+                    cpa_plan_h##HEAD##_##KIND##CNAME##_smem,                                                    \
+                "shared memory of unified_attention_h" #HEAD "_" #KIND #CNAME " differs from src/cuda/tiles.rs"); \
+  extern "C" __global__ void __launch_bounds__(Cfg<HEAD, WM, WN, KW, MT, ST, true, true>::THREADS, MINB)      \
+      unified_attention_h##HEAD##_##KIND##_##TNAME##CNAME(const AttnParams p) {                              \
+    ws_attention_body<T, Cfg<HEAD, WM, WN, KW, MT, ST, true, true>>(p);                                      \
   }
 #define CPA_ATTN(HEAD, KIND, WM, WN, KW, MT, ST, MINB, TNAME, T, CNAME, C) \
   CPA_ATTN_WITH(HEAD, KIND, WM, WN, KW, MT, ST, false, MINB, TNAME, T, CNAME, C)

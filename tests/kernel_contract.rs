@@ -37,13 +37,18 @@ cuda_test! {
         let minor = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let expected_wgmma = if (major, minor) == (9, 0) { 3 * 2 * 4 } else { 0 };
         ensure!(wgmma == expected_wgmma, "{wgmma} warpgroup instances on sm_{major}{minor}");
+        // The warp-specialised ones: head sizes 64 and 128, each query
+        // dtype, 16-bit caches only.
+        let ws = reports.iter().filter(|r| r.name.contains("_prefill_ws_")).count();
+        let expected_ws = if (major, minor) == (9, 0) { 2 * 2 } else { 0 };
+        ensure!(ws == expected_ws, "{ws} warp-specialised instances on sm_{major}{minor}");
         // The stream-decode instances: 8 rows at head sizes 64, 128, 256,
         // 16 rows at 64 and 128, and the wide 8-row one at 128, on every
         // device.
         let stream = reports.iter().filter(|r| r.name.contains("_stream_r")).count();
         ensure!(stream == 6 * 4, "{stream} stream-decode instances");
         ensure!(
-            reports.len() == (5 * 2 + 3) * 4 + wgmma + stream,
+            reports.len() == (5 * 2 + 3) * 4 + wgmma + ws + stream,
             "{} instances",
             reports.len()
         );

@@ -87,6 +87,9 @@ cuda_test! {
         );
         let env = |v: &str| std::env::var(v).unwrap_or_default();
         let on = cc == (9, 0) && env("CANDLE_PAGED_ATTENTION_WGMMA") != "0";
+        // The warp-specialised instance where forced: these rows see 512
+        // keys on average, below the default policy's threshold.
+        let ws = on && env("CANDLE_PAGED_ATTENTION_WS") == "1";
         for (head_size, fp8, has_instance) in [
             (128, false, true),
             (64, false, true),
@@ -98,7 +101,12 @@ cuda_test! {
                 .with_fp8_cache(fp8);
             let inputs = case.build(dev)?;
             let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &case.params(&inputs))?;
-            let expected = if on && has_instance { "prefill-wgmma" } else { "prefill" };
+            // 16-bit caches at head 64 / 128: the warp-specialised instance.
+            let expected = match (on && has_instance, ws && !fp8 && head_size <= 128) {
+                (true, true) => "prefill-wgmma-ws",
+                (true, false) => "prefill-wgmma",
+                _ => "prefill",
+            };
             ensure!(plan == expected, "h{head_size} fp8={fp8} on sm_{}{}: {plan}", cc.0, cc.1);
         }
         Ok(())

@@ -107,6 +107,10 @@ device_test! {
     #[case::prefill_only(&[(31, 31), (16, 16), (1, 1)], (8, 2), 128, 16, DType::F32, false)]
     #[case::prefill_only_f16(&[(31, 31), (16, 16), (1, 1)], (8, 2), 128, 16, DType::F16, false)]
     #[case::empty_sequences(&[(0, 17), (3, 5), (0, 0), (1, 1)], (4, 2), 64, 16, DType::BF16, false)]
+    // Long prefills: many 128-key tiles per program, so the stages of the
+    // warp-specialised instances are refilled many times; a decode beside.
+    #[case::long_prefill_bf16(&[(600, 1400), (260, 260), (1, 900)], (16, 4), 128, 16, DType::BF16, false)]
+    #[case::long_prefill_f16_h64(&[(520, 1100), (1, 300), (333, 333)], (8, 2), 64, 32, DType::F16, false)]
     fn shapes(
         dev: &Device,
         #[case] seqs: &[(usize, usize)],

@@ -18,7 +18,8 @@ use super::{attention_function, device_limits, AttnModule};
 use crate::params::{AttentionDims, PagedAttentionParams};
 
 /// How `forward` launches this call, in words: each part's tile shape
-/// (`prefill-wgmma` for the warpgroup instance, `stream` for stream decode,
+/// (`prefill-wgmma` for the warpgroup instance, `prefill-wgmma-ws` for its
+/// warp-specialised one, `stream` for stream decode,
 /// `stream-wide` for its wide instance)
 /// and its split-KV segments and who merges them (e.g. `stream
 /// split-kv(16)`, `decode split-kv(8) + reduce`, `stream + prefill-wgmma`).
@@ -37,7 +38,9 @@ pub(crate) fn describe(
         .iter()
         .flatten()
         .map(|p| {
-            let shape = if p.tile.wgmma {
+            let shape = if p.tile.is_warp_specialized() {
+                format!("{}-wgmma-ws", p.kind.name())
+            } else if p.tile.wgmma {
                 format!("{}-wgmma", p.kind.name())
             } else if p.tile.is_stream_wide() {
                 format!("{}-wide", p.kind.name())
@@ -205,7 +208,7 @@ pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceRep
         .filter(|i| limits.wgmma || !i.tile.wgmma)
     {
         for (dtype_name, _) in QUERY_DTYPES {
-            for fp8 in [false, true] {
+            for &fp8 in tile.cache_kinds() {
                 let name = instance_name(head, kind, &tile, dtype_name, fp8);
                 let smem = smem_bytes(&tile, head, fp8);
                 let threads = tile.threads();

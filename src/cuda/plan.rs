@@ -16,10 +16,10 @@
 
 use candle_core::{bail, Result};
 
-use super::policy::{LaunchPolicy, StreamMode};
+use super::policy::{LaunchPolicy, StreamMode, WsMode};
 use super::tiles::{
-    instance_name, smem_bytes, stream_tile, stream_wide_tile, tile_shape, wgmma_tile, Kind,
-    TileShape, HEAD_SIZES,
+    instance_name, smem_bytes, stream_tile, stream_wide_tile, tile_shape, wgmma_tile,
+    wgmma_ws_tile, Kind, TileShape, HEAD_SIZES,
 };
 use super::{AttnModule, DeviceLimits};
 use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
@@ -151,6 +151,36 @@ pub fn launch_plans_made() -> usize {
 /// call's query dtype and cache kind).
 pub(super) type ResidentFn<'a> = dyn Fn(Kind, &TileShape, usize) -> Result<usize> + 'a;
 
+/// Mean keys per query row of a prefill part from which the default
+/// policy takes the warp-specialised prefill instances. Their programs
+/// (one per SM) pay more per program than the warpgroup ones (two per SM,
+/// whose start and end overlap the other's key loop) and less per key
+/// tile; on an H100 they were 3-5% faster at 8,192 keys per row (one
+/// 16k-token prompt) and 3-7% slower at 4,096-4,352 (an 8k prompt, 512-token
+/// chunks after 4k of context) (docs/perf.md, kernels "Version 12").
+pub(super) const WS_MIN_MEAN_KEYS: usize = 6144;
+
+/// Whether the prefill part of `params`' batch (sequences with more than
+/// `fits` new tokens) has rows that see at least [`WS_MIN_MEAN_KEYS`] keys
+/// on average (the sliding window, if any, bounding each).
+fn ws_prefill(params: &PagedAttentionParams, fits: usize) -> bool {
+    let host = params.batch.host();
+    let (mut rows, mut keys) = (0usize, 0usize);
+    for (i, &seq_len) in host.seq_lens().iter().enumerate() {
+        let q = host.q_len(i).unwrap_or(0);
+        if q <= fits {
+            continue;
+        }
+        let context = (seq_len as usize).saturating_sub(q);
+        // Row r sees context + r + 1 keys: (q + 1) / 2 past the context on average.
+        let mean = context + q.div_ceil(2);
+        let mean = params.sliding_window.map_or(mean, |w| mean.min(w));
+        rows += q;
+        keys += q * mean;
+    }
+    rows > 0 && keys >= WS_MIN_MEAN_KEYS * rows
+}
+
 /// The launch plan of one call on a device with `limits` whose instances
 /// fit `resident` programs per SM: the parts, their split-KV segments and
 /// the workspace row layout. `aligned`: the query and the caches start on
@@ -217,7 +247,22 @@ pub(super) fn plan(
             prefill_programs < resident(Kind::Prefill, &wide, head)? * sms
         }
     };
-    let prefill = if small { narrow } else { wide };
+    // 128-row programs over a 16-bit cache with 16-byte loads: the
+    // warp-specialised instance where there is one and the policy takes it
+    // (by default for rows that see many keys, `ws_prefill`).
+    let warp_specialized = wgmma
+        && !fp8
+        && aligned
+        && match policy.warp_specialized {
+            WsMode::Off => false,
+            WsMode::On => true,
+            WsMode::Auto => !by_shape && ws_prefill(params, fits),
+        };
+    let prefill = match wgmma_ws_tile(head) {
+        _ if small => narrow,
+        Some(tile) if warp_specialized => tile,
+        _ => wide,
+    };
     // The decode-shaped launch: a stream-decode instance where one serves
     // the call (`stream_decode_tile`), else the unified kernel's.
     let decode_span = if by_shape {
@@ -549,6 +594,16 @@ mod tests {
     /// The plan of `call(..)` on `limits` with the host-side residency
     /// estimate.
     fn plan_on(q: &Tensor, params: &PagedAttentionParams, limits: &DeviceLimits) -> Plan {
+        plan_with(q, params, limits, LaunchPolicy::current())
+    }
+
+    /// As `plan_on`, under `policy`.
+    fn plan_with(
+        q: &Tensor,
+        params: &PagedAttentionParams,
+        limits: &DeviceLimits,
+        policy: &LaunchPolicy,
+    ) -> Plan {
         let dims = params
             .validate(q.dtype(), q.shape(), q.device())
             .expect("valid call");
@@ -559,7 +614,7 @@ mod tests {
             limits,
             true,
             &|_, tile, head| Ok(resident_programs(tile, head, fp8, limits)),
-            LaunchPolicy::current(),
+            policy,
         )
         .expect("plan")
     }
@@ -621,14 +676,18 @@ mod tests {
             })
         };
         let long = [(2048, 2048); 4];
-        // 16-bit caches at head 64 / 128 on Hopper: the sm_90a instance.
+        // 16-bit caches at head 64 / 128 on Hopper: the sm_90a instance (the
+        // warp-specialised one only where the policy forces it: these rows
+        // see 1,024 keys on average).
+        let ws = LaunchPolicy::current().warp_specialized == WsMode::On;
         for head in [64, 128] {
+            let suffix = if ws { "ws" } else { "wg" };
             assert_eq!(
                 prefill(head, false, &HOPPER_WG, &long),
                 Some((
                     true,
                     128,
-                    format!("unified_attention_h{head}_prefill_wg_bf16")
+                    format!("unified_attention_h{head}_prefill_{suffix}_bf16")
                 ))
             );
             // Over an fp8 cache too; elsewhere the mma.sync one.
@@ -649,10 +708,14 @@ mod tests {
                 ))
             );
         }
-        // Head 256 too; head 32 has none.
+        // Head 256 too (its warpgroup instance); head 32 has none.
         assert_eq!(
-            prefill(256, false, &HOPPER_WG, &long).map(|p| (p.0, p.1)),
-            Some((true, 128))
+            prefill(256, false, &HOPPER_WG, &long),
+            Some((
+                true,
+                128,
+                "unified_attention_h256_prefill_wg_bf16".to_string()
+            ))
         );
         assert_eq!(
             prefill(32, false, &HOPPER_WG, &long).map(|p| p.0),
@@ -681,6 +744,85 @@ mod tests {
             prefill(128, false, &HOPPER_WG, &mixed).map(|p| p.0),
             Some(true)
         );
+    }
+
+    /// The default policy takes the warp-specialised instance for prefill
+    /// parts whose rows see at least `WS_MIN_MEAN_KEYS` keys on average,
+    /// outside CUDA-graph steps; `CANDLE_PAGED_ATTENTION_WS=1` everywhere
+    /// one serves, `0` nowhere.
+    #[test]
+    fn long_prefills_take_the_warp_specialised_tile() {
+        let policy = |ws| LaunchPolicy {
+            warp_specialized: ws,
+            prefill_rows: None,
+            wgmma: true,
+            ..LaunchPolicy::default()
+        };
+        let suffix = |head, fp8, seqs: &[(u32, u32)], window: Option<usize>, ws, split| {
+            let (q, params) = call(head, fp8, seqs);
+            let params = params.with_sliding_window(window).with_kv_split(split);
+            let plan = plan_with(&q, &params, &HOPPER_WG, &policy(ws));
+            let part = plan
+                .parts
+                .iter()
+                .flatten()
+                .find(|p| p.kind == Kind::Prefill)
+                .copied()
+                .expect("a prefill part");
+            part.tile.suffix
+        };
+        let auto = KvSplit::Auto;
+        // Mean keys per row: 16k prompt 8,192; 8k prompt 4,096; 512-token
+        // chunks after 16k of context 16,640 (four, so that the programs
+        // fill a wave of 128 rows); after 4k 4,352.
+        for (seqs, want) in [
+            (&[(16384, 16384)][..], "_ws"),
+            (&[(8192, 8192)][..], "_wg"),
+            (
+                &[
+                    (512, 16896),
+                    (512, 16896),
+                    (512, 16896),
+                    (512, 16896),
+                    (1, 900),
+                ][..],
+                "_ws",
+            ),
+            (&[(512, 4608); 4][..], "_wg"),
+            // Means over the rows: 5,120 and 6,963.
+            (&[(12288, 12288), (4096, 4096)][..], "_wg"),
+            (&[(16384, 16384), (4096, 4096)][..], "_ws"),
+        ] {
+            for head in [64, 128] {
+                assert_eq!(
+                    suffix(head, false, seqs, None, WsMode::Auto, auto),
+                    want,
+                    "{seqs:?} h{head}"
+                );
+                assert_eq!(
+                    suffix(head, false, seqs, None, WsMode::On, auto),
+                    "_ws",
+                    "{seqs:?} h{head}"
+                );
+                assert_eq!(
+                    suffix(head, false, seqs, None, WsMode::Off, auto),
+                    "_wg",
+                    "{seqs:?} h{head}"
+                );
+            }
+        }
+        let long = &[(16384, 16384)][..];
+        // A window bounds the keys a row sees; fp8 caches and head 256 have
+        // no instance; a CUDA-graph step plans by shape (not by lengths).
+        assert_eq!(
+            suffix(128, false, long, Some(4096), WsMode::Auto, auto),
+            "_wg"
+        );
+        assert_eq!(suffix(128, true, long, None, WsMode::On, auto), "_wg");
+        assert_eq!(suffix(256, false, long, None, WsMode::On, auto), "_wg");
+        let graph = KvSplit::AutoUpTo(32768);
+        assert_eq!(suffix(128, false, long, None, WsMode::Auto, graph), "_wg");
+        assert_eq!(suffix(128, false, long, None, WsMode::On, graph), "_ws");
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | `CANDLE_PAGED_ATTENTION_STREAM` | `0`, `wide`, else auto | [`stream`](LaunchPolicy::stream) |
 //! | `CANDLE_PAGED_ATTENTION_WGMMA` | `0`, else on | [`wgmma`](LaunchPolicy::wgmma) |
+//! | `CANDLE_PAGED_ATTENTION_WS` | `0`, `1`, else auto | [`warp_specialized`](LaunchPolicy::warp_specialized) |
 //! | `CANDLE_PAGED_ATTENTION_PREFILL_ROWS` | `64`, `128`, else free | [`prefill_rows`](LaunchPolicy::prefill_rows) |
 //! | `CANDLE_PAGED_ATTENTION_SPLIT_MERGE` | `launch`, `reduce`, else by kernel | [`split_merge`](LaunchPolicy::split_merge) |
 //! | `CANDLE_PAGED_ATTENTION_OVERLAP` | `0`, `decode-first`, else prefill first | [`overlap`](LaunchPolicy::overlap) |
@@ -28,6 +29,18 @@ pub(crate) enum StreamMode {
     Auto,
     /// `wide`: the wide instance wherever it exists for the call.
     Wide,
+}
+
+/// Where the plan may take the warp-specialised prefill instances.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WsMode {
+    /// `0`: never.
+    Off,
+    /// The default: for prefill parts whose rows see many keys on average
+    /// (the planner's `ws_prefill`), outside CUDA-graph steps.
+    Auto,
+    /// `1`: wherever an instance serves the part (tests and benchmarks).
+    On,
 }
 
 /// Who merges the split-KV partials of a decode-shaped part. The
@@ -75,6 +88,10 @@ pub(crate) struct LaunchPolicy {
     /// The warpgroup (wgmma) prefill instances on a device that has them;
     /// `false` keeps prefills on the mma.sync instances.
     pub(crate) wgmma: bool,
+    /// Where the warp-specialised warpgroup prefill instances (16-bit
+    /// caches, head sizes 64 and 128, 128-row programs) may replace the
+    /// warpgroup ones.
+    pub(crate) warp_specialized: WsMode,
     /// Packed rows of every prefill tile (64 or 128, up to head size 128),
     /// whatever the batch; `None`: chosen by the batch's size.
     pub(crate) prefill_rows: Option<usize>,
@@ -107,6 +124,11 @@ impl LaunchPolicy {
                 _ => StreamMode::Auto,
             },
             wgmma: get("WGMMA").as_deref() != Some("0"),
+            warp_specialized: match get("WS").as_deref() {
+                Some("0") => WsMode::Off,
+                Some("1") => WsMode::On,
+                _ => WsMode::Auto,
+            },
             prefill_rows: get("PREFILL_ROWS")
                 .and_then(|v| v.parse().ok())
                 .filter(|&rows| rows == 64 || rows == 128),
@@ -155,6 +177,7 @@ mod tests {
             LaunchPolicy {
                 stream: StreamMode::Auto,
                 wgmma: true,
+                warp_specialized: WsMode::Auto,
                 prefill_rows: None,
                 split_merge: None,
                 overlap: Overlap::PrefillFirst,
@@ -164,6 +187,8 @@ mod tests {
         assert_eq!(with(&[("STREAM", "0")]).stream, StreamMode::Off);
         assert_eq!(with(&[("STREAM", "wide")]).stream, StreamMode::Wide);
         assert!(!with(&[("WGMMA", "0")]).wgmma);
+        assert_eq!(with(&[("WS", "0")]).warp_specialized, WsMode::Off);
+        assert_eq!(with(&[("WS", "1")]).warp_specialized, WsMode::On);
         assert_eq!(with(&[("PREFILL_ROWS", "64")]).prefill_rows, Some(64));
         assert_eq!(with(&[("PREFILL_ROWS", "128")]).prefill_rows, Some(128));
         assert_eq!(
@@ -187,6 +212,7 @@ mod tests {
         let odd = with(&[
             ("STREAM", "1"),
             ("WGMMA", "no"),
+            ("WS", "off"),
             ("PREFILL_ROWS", "96"),
             ("SPLIT_MERGE", "both"),
             ("OVERLAP", "2"),

@@ -85,12 +85,29 @@ pub(crate) struct TileShape {
     /// A stream-decode instance (see [`stream_tile`]): of the stream-decode
     /// module, its shared memory laid out by `stream_smem_bytes`.
     pub(crate) stream: bool,
+    /// Warps of the producer warpgroup of a warp-specialised instance (see
+    /// [`wgmma_ws_tile`]), besides the `warps_m x warps_n` that hold rows;
+    /// 0 elsewhere.
+    pub(crate) producer_warps: usize,
 }
 
 impl TileShape {
     /// Threads per program (the `__launch_bounds__` of the instance).
     pub(crate) fn threads(&self) -> usize {
-        32 * self.warps_m * self.warps_n
+        32 * (self.warps_m * self.warps_n + self.producer_warps)
+    }
+    /// A warp-specialised instance (see [`wgmma_ws_tile`]).
+    pub(crate) fn is_warp_specialized(&self) -> bool {
+        self.producer_warps > 0
+    }
+    /// The cache kinds (`fp8`: false, true) it is compiled for: 16-bit
+    /// caches only for the warp-specialised instances, both elsewhere.
+    pub(crate) fn cache_kinds(&self) -> &'static [bool] {
+        if self.is_warp_specialized() {
+            &[false]
+        } else {
+            &[false, true]
+        }
     }
     /// Packed rows per program.
     pub(crate) fn rows(&self) -> usize {
@@ -134,6 +151,7 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
             wgmma: false,
             tile_rows: 16,
             stream: false,
+            producer_warps: 0,
         },
         Kind::Prefill => {
             let two_tiles = head <= 128 && !small;
@@ -149,6 +167,7 @@ pub(crate) fn tile_shape(kind: Kind, head: usize, small: bool) -> TileShape {
                 wgmma: false,
                 tile_rows: 16,
                 stream: false,
+                producer_warps: 0,
             }
         }
     }
@@ -176,6 +195,33 @@ pub(crate) fn wgmma_tile(head: usize, small: bool) -> Option<TileShape> {
         wgmma: true,
         tile_rows: 16,
         stream: false,
+        producer_warps: 0,
+    })
+}
+
+/// Padded head sizes with warp-specialised prefill instances.
+pub(crate) const WS_HEAD_SIZES: [usize; 2] = [64, 128];
+
+/// The warp-specialised prefill instance of the sm_90a module for padded
+/// head size `head` (16-bit queries over a 16-bit cache), if there is one
+/// (kernels/prefill_ws.cuh): the 128 packed rows of [`wgmma_tile`] as two
+/// consumer warpgroups, 128 keys per tile, two stages, and a producer
+/// warpgroup (4 warps) that loads the tiles; one program per SM. It takes
+/// the place of the 128-row warpgroup instance where the plan allows.
+pub(crate) fn wgmma_ws_tile(head: usize) -> Option<TileShape> {
+    WS_HEAD_SIZES.contains(&head).then_some(TileShape {
+        warps_m: 8,
+        warps_n: 1,
+        keys_per_warp: 128,
+        m_tiles: 1,
+        stages: 2,
+        max_resident: 1,
+        min_programs: 1,
+        suffix: "_ws",
+        wgmma: true,
+        tile_rows: 16,
+        stream: false,
+        producer_warps: 4,
     })
 }
 
@@ -239,6 +285,7 @@ fn stream_shape(head: usize, rows: usize) -> TileShape {
         wgmma: false,
         tile_rows: 8,
         stream: true,
+        producer_warps: 0,
     }
 }
 
@@ -286,6 +333,11 @@ pub(crate) fn instances() -> Vec<TileInstance> {
             }
         }
     }
+    for head in WS_HEAD_SIZES {
+        if let Some(tile) = wgmma_ws_tile(head) {
+            push(head, Kind::Prefill, tile);
+        }
+    }
     for head in STREAM_HEAD_SIZES {
         for rows in STREAM_ROWS {
             for tile in [stream_tile(head, rows), stream_wide_tile(head, rows)]
@@ -320,7 +372,13 @@ pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
     };
     let merge = tile.warps_n * bm * cs * 4;
     let align = if tile.wgmma { 1024 } else { 0 };
-    align + q + red + offsets + tiles.max(merge)
+    // Warp-specialised: a full and an empty barrier per K and V stage.
+    let barriers = if tile.is_warp_specialized() {
+        4 * st * 8
+    } else {
+        0
+    };
+    align + q + red + offsets + tiles.max(merge) + barriers
 }
 
 /// Dynamic shared memory of a stream-decode instance (mirrors
@@ -414,6 +472,9 @@ mod tests {
                     );
                 }
             }
+            if let Some(tile) = wgmma_ws_tile(head) {
+                assert!(has(head, Kind::Prefill, tile), "warp-specialised h{head}");
+            }
             for rows in STREAM_ROWS {
                 for tile in [stream_tile(head, rows), stream_wide_tile(head, rows)]
                     .into_iter()
@@ -423,8 +484,9 @@ mod tests {
                 }
             }
         }
-        // 5 decode, 5 + 3 prefill, 3 x 2 warpgroup, 6 stream.
-        assert_eq!(all.len(), 25);
+        // 5 decode, 5 + 3 prefill, 3 x 2 warpgroup, 2 warp-specialised,
+        // 6 stream.
+        assert_eq!(all.len(), 27);
         for i in &all {
             assert!(
                 i.tile.min_programs >= 1 && i.tile.min_programs <= 4,

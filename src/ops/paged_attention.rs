@@ -214,8 +214,8 @@ impl CustomOp1 for PagedAttention<'_> {
 /// How the CUDA path launches `paged_attention(q, params)`, in words: the
 /// tile shape of each launch (`stream`: stream decode, 8 or 16 packed query
 /// rows per program; `decode`: the unified kernel's 16-row decode programs;
-/// `prefill`: 128 or 64, `prefill-wgmma`: 128 rows with Hopper's warpgroup
-/// MMAs), its split-KV segments and who merges them, e.g.
+/// `prefill`: 128 or 64, `prefill-wgmma`: 128 or 64 rows with Hopper's
+/// warpgroup MMAs, `prefill-wgmma-ws`: 128 rows, warp-specialised), its split-KV segments and who merges them, e.g.
 /// `"stream split-kv(16)"`, `"decode split-kv(3) + reduce"` or
 /// `"stream split-kv(4) + prefill-wgmma"`. For
 /// benchmarks and logs; `q` is `(num_tokens, num_heads, head_size)` on a
