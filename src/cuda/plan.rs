@@ -152,18 +152,29 @@ pub fn launch_plans_made() -> usize {
 pub(super) type ResidentFn<'a> = dyn Fn(Kind, &TileShape, usize) -> Result<usize> + 'a;
 
 /// Mean keys per query row of a prefill part from which the default
-/// policy takes the warp-specialised prefill instances. Their programs
-/// (one per SM) pay more per program than the warpgroup ones (two per SM,
-/// whose start and end overlap the other's key loop) and less per key
-/// tile; on an H100 they were 3-5% faster at 8,192 keys per row (one
-/// 16k-token prompt) and 3-7% slower at 4,096-4,352 (an 8k prompt, 512-token
-/// chunks after 4k of context) (docs/perf.md, kernels "Version 12").
-pub(super) const WS_MIN_MEAN_KEYS: usize = 6144;
+/// policy takes the warp-specialised prefill instance of padded head size
+/// `head`. Its programs (one per SM) pay more per program than the
+/// warpgroup ones (two per SM, whose start and end overlap the other's key
+/// loop) and less per key tile. On an H100 (docs/perf.md, kernels "Version
+/// 12"), at head size 128 they were 1-5% faster from 6,144 keys per row
+/// (prompts of 12k and 16k tokens, 512-token chunks after 8k and 16k of
+/// context: up to 9% there) and 3-7% slower at 4,096-4,352 (an 8k prompt,
+/// chunks after 4k); at head size 64, 2-9% faster at 4,096-4,352 (8k
+/// prompts, chunks after 4k), up to 23% at 16k, and 18-57% slower at
+/// 1,024-2,048 (2k and 4k prompts).
+pub(super) fn ws_min_mean_keys(head: usize) -> usize {
+    if head <= 64 {
+        4096
+    } else {
+        6144
+    }
+}
 
 /// Whether the prefill part of `params`' batch (sequences with more than
-/// `fits` new tokens) has rows that see at least [`WS_MIN_MEAN_KEYS`] keys
-/// on average (the sliding window, if any, bounding each).
-fn ws_prefill(params: &PagedAttentionParams, fits: usize) -> bool {
+/// `fits` new tokens) has rows that see at least [`ws_min_mean_keys`] keys
+/// on average at padded head size `head` (the sliding window, if any,
+/// bounding each).
+fn ws_prefill(params: &PagedAttentionParams, fits: usize, head: usize) -> bool {
     let host = params.batch.host();
     let (mut rows, mut keys) = (0usize, 0usize);
     for (i, &seq_len) in host.seq_lens().iter().enumerate() {
@@ -178,7 +189,7 @@ fn ws_prefill(params: &PagedAttentionParams, fits: usize) -> bool {
         rows += q;
         keys += q * mean;
     }
-    rows > 0 && keys >= WS_MIN_MEAN_KEYS * rows
+    rows > 0 && keys >= ws_min_mean_keys(head) * rows
 }
 
 /// The launch plan of one call on a device with `limits` whose instances
@@ -256,7 +267,7 @@ pub(super) fn plan(
         && match policy.warp_specialized {
             WsMode::Off => false,
             WsMode::On => true,
-            WsMode::Auto => !by_shape && ws_prefill(params, fits),
+            WsMode::Auto => !by_shape && ws_prefill(params, fits, head),
         };
     let prefill = match wgmma_ws_tile(head) {
         _ if small => narrow,
@@ -747,9 +758,9 @@ mod tests {
     }
 
     /// The default policy takes the warp-specialised instance for prefill
-    /// parts whose rows see at least `WS_MIN_MEAN_KEYS` keys on average,
-    /// outside CUDA-graph steps; `CANDLE_PAGED_ATTENTION_WS=1` everywhere
-    /// one serves, `0` nowhere.
+    /// parts whose rows see at least `ws_min_mean_keys` keys on average
+    /// (4,096 at head size 64, 6,144 at 128), outside CUDA-graph steps;
+    /// `CANDLE_PAGED_ATTENTION_WS=1` everywhere one serves, `0` nowhere.
     #[test]
     fn long_prefills_take_the_warp_specialised_tile() {
         let policy = |ws| LaunchPolicy {
@@ -772,12 +783,14 @@ mod tests {
             part.tile.suffix
         };
         let auto = KvSplit::Auto;
-        // Mean keys per row: 16k prompt 8,192; 8k prompt 4,096; 512-token
-        // chunks after 16k of context 16,640 (four, so that the programs
-        // fill a wave of 128 rows); after 4k 4,352.
+        // Mean keys per row: a 16k prompt 8,192; 8k 4,096; 4k 2,048; four
+        // 512-token chunks (so that the programs fill a wave of 128 rows)
+        // after 16k of context 16,640, after 4k 4,352; a 12k and a 4k
+        // prompt 5,120, a 16k and a 4k one 6,963. (head 64, head 128).
         for (seqs, want) in [
-            (&[(16384, 16384)][..], "_ws"),
-            (&[(8192, 8192)][..], "_wg"),
+            (&[(16384, 16384)][..], ("_ws", "_ws")),
+            (&[(8192, 8192)][..], ("_ws", "_wg")),
+            (&[(4096, 4096)][..], ("_wg", "_wg")),
             (
                 &[
                     (512, 16896),
@@ -786,14 +799,13 @@ mod tests {
                     (512, 16896),
                     (1, 900),
                 ][..],
-                "_ws",
+                ("_ws", "_ws"),
             ),
-            (&[(512, 4608); 4][..], "_wg"),
-            // Means over the rows: 5,120 and 6,963.
-            (&[(12288, 12288), (4096, 4096)][..], "_wg"),
-            (&[(16384, 16384), (4096, 4096)][..], "_ws"),
+            (&[(512, 4608); 4][..], ("_ws", "_wg")),
+            (&[(12288, 12288), (4096, 4096)][..], ("_ws", "_wg")),
+            (&[(16384, 16384), (4096, 4096)][..], ("_ws", "_ws")),
         ] {
-            for head in [64, 128] {
+            for (head, want) in [(64, want.0), (128, want.1)] {
                 assert_eq!(
                     suffix(head, false, seqs, None, WsMode::Auto, auto),
                     want,
