@@ -111,6 +111,8 @@ device_test! {
     // warp-specialised instances are refilled many times; a decode beside.
     #[case::long_prefill_bf16(&[(600, 1400), (260, 260), (1, 900)], (16, 4), 128, 16, DType::BF16, false)]
     #[case::long_prefill_f16_h64(&[(520, 1100), (1, 300), (333, 333)], (8, 2), 64, 32, DType::F16, false)]
+    // Blocks of 12 (not a power of two) under the same long prefills.
+    #[case::long_prefill_block_size_12(&[(400, 900), (1, 77), (130, 130)], (8, 2), 128, 12, DType::BF16, false)]
     fn shapes(
         dev: &Device,
         #[case] seqs: &[(usize, usize)],
