@@ -91,22 +91,6 @@ struct WsProgram : AttnProgram<T, T, CF> {
 
   // ---- producer ----
 
-  // Byte offset of key `key` in the caches, or -1 for a key no row sees
-  // (zero-filled).
-  __device__ __forceinline__ int64_t key_offset(int key, uint32_t blk) const {
-    if (key >= this->k_hi || !this->key_live(key)) return -1;
-    const int bs = this->bs;
-    const int in_blk = this->bs_pow2 ? key & (bs - 1) : key % bs;
-    return ((int64_t)blk * this->p.block_stride + (int64_t)in_blk * this->kv_row + (int64_t)this->kv_head * this->hs) *
-           (int64_t)sizeof(T);
-  }
-
-  // Block-table entry of key `key` (0 past the keys: never dereferenced).
-  __device__ __forceinline__ uint32_t key_block(int key) const {
-    if (key >= this->k_hi) return 0u;
-    return this->table[this->bs_pow2 ? key >> this->bs_shift : key / this->bs];
-  }
-
   // The producer's share of a tile: producer warp pw owns tile rows
   // 32 pw .. 32 pw + 31 (one key each, lane l computing key 32 pw + l's
   // offset); lane l copies chunks CPT (l % 4) .. + CPT of rows l / 4 + 8 m,
@@ -153,7 +137,7 @@ struct WsProgram : AttnProgram<T, T, CF> {
     const uint32_t sV = smem_addr(this->sV);
     const T* kc = this->kc;
     const T* vc = this->vc;
-    uint32_t blk = key_block(key0);
+    uint32_t blk = this->key_block(key0);
     int64_t off_k[ROWS_PER_LANE] = {-1, -1, -1, -1}, off_v[ROWS_PER_LANE];
     // This lane's chunks: CPT from c0 of its rows (see `copy_rows`).
     const int c0 = (lane & 3) * CPT;
@@ -168,8 +152,8 @@ struct WsProgram : AttnProgram<T, T, CF> {
     }
     for (int j = 0; j <= n; ++j) {
       if (j < n) {
-        const int64_t mine = key_offset(key0 + j * BN, blk);
-        blk = key_block(key0 + (j + 1) * BN);  // the next tile's, ahead of its use
+        const int64_t mine = this->key_offset(key0 + j * BN, blk);
+        blk = this->key_block(key0 + (j + 1) * BN);  // the next tile's, ahead of its use
 #pragma unroll
         for (int m = 0; m < ROWS_PER_LANE; ++m) {
           off_v[m] = off_k[m];  // tile j - 1's rows, for its V
@@ -240,17 +224,6 @@ struct WsProgram : AttnProgram<T, T, CF> {
 #pragma unroll
     for (int j = 0; j < KW / 16; ++j) WgMma<T, DV>::rs_t(o, a[j], vd + ((j * 16 * 128) >> 4));
     wg_commit();
-  }
-
-  // The probabilities in s as the A operand of P V.
-  __device__ __forceinline__ static void pack_p(const Scores& s, uint32_t (&a)[KW / 16][4]) {
-#pragma unroll
-    for (int j = 0; j < KW / 16; ++j) {
-      a[j][0] = pack2<T>(s[0][2 * j][0], s[0][2 * j][1]);
-      a[j][1] = pack2<T>(s[0][2 * j][2], s[0][2 * j][3]);
-      a[j][2] = pack2<T>(s[0][2 * j + 1][0], s[0][2 * j + 1][1]);
-      a[j][3] = pack2<T>(s[0][2 * j + 1][2], s[0][2 * j + 1][3]);
-    }
   }
 
   // v[0] op ... op v[15] as a tree of depth 4 (fixed indices: the values
@@ -373,7 +346,7 @@ struct WsProgram : AttnProgram<T, T, CF> {
     release(bars.empty_k(0));
     scores(tile0, s, tmax, rsc, rsc_log2, c1);
     softmax_step(s, tmax, c1, m_run, l_run, alpha);
-    pack_p(s, a);
+    Base::pack_p(s, a);
     for (int j = 1; j < n; ++j) {
       const int stage = j % STAGES, prev = (j - 1) % STAGES;
       mbar_wait(bars.full_k(stage), (uint32_t)(j / STAGES) & 1);
@@ -392,7 +365,7 @@ struct WsProgram : AttnProgram<T, T, CF> {
       wg_fence_operands(o);
       release(bars.empty_v(prev));
       rescale(acc, alpha);
-      pack_p(s, a);
+      Base::pack_p(s, a);
     }
     // The last tile's P V.
     const int last = (n - 1) % STAGES;

@@ -575,8 +575,22 @@ struct AttnProgram {
 
   // The block-table entry of this thread's key of tile t (0 past the segment / keys).
   __device__ __forceinline__ uint32_t table_entry(int t) const {
-    const int key = k_lo + t * BN + tid;
-    return (tid < BN && t < t_end && key < k_hi) ? table[bs_pow2 ? key >> bs_shift : key / bs] : 0u;
+    return (tid < BN && t < t_end) ? key_block(k_lo + t * BN + tid) : 0u;
+  }
+
+  // The block-table entry of key `key` of the sequence (0 past its keys:
+  // never dereferenced).
+  __device__ __forceinline__ uint32_t key_block(int key) const {
+    return key < k_hi ? table[bs_pow2 ? key >> bs_shift : key / bs] : 0u;
+  }
+
+  // The byte offset of key `key` (in block `blk`) in the caches, or -1 for
+  // a key no row sees (zero-filled instead of loaded).
+  __device__ __forceinline__ int64_t key_offset(int key, uint32_t blk) const {
+    const int in_blk = bs_pow2 ? key & (bs - 1) : key % bs;
+    return key_live(key) ? ((int64_t)blk * p.block_stride + (int64_t)in_blk * kv_row + (int64_t)kv_head * hs) *
+                               (int64_t)sizeof(C)
+                         : (int64_t)-1;
   }
 
   // Tiles ahead of its use that a block-table entry is asked of L2 for:
@@ -600,12 +614,7 @@ struct AttnProgram {
   // into the tile's koff slot.
   __device__ __forceinline__ void tile_offsets(int t, uint32_t blk) {
     if (tid >= BN || t >= t_end) return;
-    const int key = k_lo + t * BN + tid;
-    const int in_blk = bs_pow2 ? key & (bs - 1) : key % bs;
-    koff[((t - t_begin) % STAGES) * BN + tid] =
-        key_live(key) ? ((int64_t)blk * p.block_stride + (int64_t)in_blk * kv_row + (int64_t)kv_head * hs) *
-                            (int64_t)sizeof(C)
-                      : (int64_t)-1;
+    koff[((t - t_begin) % STAGES) * BN + tid] = key_offset(k_lo + t * BN + tid, blk);
   }
 
   // WG: element (row, col) of a swizzled tile of BN rows (col a multiple of
@@ -1043,12 +1052,9 @@ struct AttnProgram {
     }
   }
 
-  // WG: O += P V for the warpgroup's 64 rows over the BN keys of the tile in
-  // tV (MN-major: keys as rows, value columns along the atoms), P from the
-  // score registers in 16-key steps of one warpgroup MMA each.
-  __device__ __forceinline__ void pv_wg(const Scores& s, const MM* tV, Acc& acc) const {
-    float(&o)[DV / 2] = reinterpret_cast<float(&)[DV / 2]>(acc);
-    uint32_t a[KW / 16][4];
+  // WG: the probabilities in s (one 16-row tile) as the A operand of the
+  // P V warpgroup MMAs, 16 keys per step.
+  __device__ __forceinline__ static void pack_p(const Scores& s, uint32_t (&a)[KW / 16][4]) {
 #pragma unroll
     for (int j = 0; j < KW / 16; ++j) {
       a[j][0] = pack2<MM>(s[0][2 * j][0], s[0][2 * j][1]);
@@ -1056,6 +1062,15 @@ struct AttnProgram {
       a[j][2] = pack2<MM>(s[0][2 * j + 1][0], s[0][2 * j + 1][1]);
       a[j][3] = pack2<MM>(s[0][2 * j + 1][2], s[0][2 * j + 1][3]);
     }
+  }
+
+  // WG: O += P V for the warpgroup's 64 rows over the BN keys of the tile in
+  // tV (MN-major: keys as rows, value columns along the atoms), P from the
+  // score registers in 16-key steps of one warpgroup MMA each.
+  __device__ __forceinline__ void pv_wg(const Scores& s, const MM* tV, Acc& acc) const {
+    float(&o)[DV / 2] = reinterpret_cast<float(&)[DV / 2]>(acc);
+    uint32_t a[KW / 16][4];
+    pack_p(s, a);
     const uint32_t v0 = smem_addr(tV);
     wg_fence_operands(o);
     wg_fence();
