@@ -106,8 +106,6 @@ cuda_test! {
     /// on the device), and draws with every cut and penalty.
     fn sampler_on_the_device_equals_the_host(dev: &Device) -> Result<()> {
         use candle_paged_attention::engine::{Sampler, SamplingParams};
-        // The engine's picking kernels are opt-in until they have run on a GPU.
-        std::env::set_var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING", "1");
         let vocab = 32_000;
         let prompt: Vec<u32> = (0..40).map(|i| (i * 797) % vocab as u32).collect();
         let kinds = [

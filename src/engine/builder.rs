@@ -7,7 +7,7 @@
 
 use candle_core::{bail, Result};
 
-use super::{CachePlan, CacheSizing, Engine, SchedulerConfig};
+use super::{CachePlan, CacheSizing, DevicePicking, Engine, SchedulerConfig};
 use crate::models::{host_memory_available, CacheConfig, PagedKvCache, PagedModel};
 
 const OP: &str = "EngineBuilder";
@@ -95,6 +95,7 @@ pub struct EngineBuilder<'m> {
     scheduler: SchedulerConfig,
     cuda_graphs: bool,
     capture_up_to: Option<usize>,
+    picking: Option<DevicePicking>,
 }
 
 impl<'m> EngineBuilder<'m> {
@@ -114,6 +115,7 @@ impl<'m> EngineBuilder<'m> {
             scheduler,
             cuda_graphs: true,
             capture_up_to: None,
+            picking: None,
         }
     }
 
@@ -156,6 +158,13 @@ impl<'m> EngineBuilder<'m> {
         self
     }
 
+    /// Which rows of a step's CUDA logits the crate's picking kernels take
+    /// ([`Engine::with_device_picking`]; unset, the engine's default).
+    pub fn device_picking(mut self, picking: DevicePicking) -> Self {
+        self.picking = Some(picking);
+        self
+    }
+
     /// Captures the step graphs (decode steps and steps with prefills) for
     /// sequences of up to `max_context` tokens before the engine is returned
     /// ([`Engine::capture_cuda_graphs`]); `None` (the default) captures
@@ -173,6 +182,9 @@ impl<'m> EngineBuilder<'m> {
         let (cache, plan) = self.cache.build(self.model)?;
         let mut engine =
             Engine::new(self.model, cache, self.scheduler)?.with_cuda_graphs(self.cuda_graphs);
+        if let Some(picking) = self.picking {
+            engine = engine.with_device_picking(picking);
+        }
         if let Some(context) = self.capture_up_to {
             engine.capture_cuda_graphs(context)?;
         }

@@ -13,6 +13,18 @@
 //! [`CacheSizing`] and [`MemoryProfile`] size the cache before an engine is
 //! built.
 //!
+//! # Several engines in one process
+//! Engines may step and capture CUDA graphs on threads of their own at the
+//! same time. Engines whose models share one CUDA device handle (a
+//! `Device` and its clones: one stream) take turns for their steps and
+//! captures (`device_turns.rs`); give each model a handle of its own
+//! (`Device::new_cuda` once per model) to run them side by side. Choose
+//! the engine's options through its methods
+//! ([`Engine::with_device_picking`] rather than setting
+//! `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING` from the program): changing
+//! the environment while other threads run is not safe, since the CUDA
+//! libraries read it from C.
+//!
 //! # Example
 //! A tiny Llama with random weights (feature `models`; any [`PagedModel`]
 //! works) completes three greedy requests in one continuous batch: the
@@ -73,6 +85,7 @@
 
 mod buckets;
 mod builder;
+mod device_turns;
 #[cfg(feature = "cuda")]
 mod graphs;
 mod pick;
@@ -93,6 +106,7 @@ pub use buckets::{
 pub use builder::{EngineBuilder, KvCacheSpec};
 #[cfg(feature = "cuda")]
 pub use graphs::{GraphStats, StepGraphs, MAX_MIXED_GRAPHS};
+pub use pick::DevicePicking;
 pub use profile::{
     CachePlan, CacheSizing, MemoryProfile, DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
@@ -214,6 +228,18 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         self
     }
 
+    /// Which rows of a step's logits on a CUDA device the crate's picking
+    /// kernels take ([`DevicePicking`]; the tokens are the same in every
+    /// mode). By default [`DevicePicking::from_env`], which is
+    /// [`DevicePicking::All`] unless `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING`
+    /// says otherwise. Prefer this to setting the variable from a program:
+    /// changing the environment while other threads run (the CUDA driver
+    /// reads it from C) is not safe.
+    pub fn with_device_picking(mut self, picking: DevicePicking) -> Self {
+        self.runner.set_device_picking(picking);
+        self
+    }
+
     /// True when steps may replay CUDA graphs: graphs are on
     /// ([`with_cuda_graphs`](Self::with_cuda_graphs)), the crate has the
     /// `cuda` feature and the model is on a CUDA device.
@@ -231,6 +257,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// start-up too). Returns the graphs ready; 0 when graphs are off or
     /// unavailable (see [`uses_cuda_graphs`](Self::uses_cuda_graphs)).
     pub fn capture_cuda_graphs(&mut self, max_context: usize) -> Result<usize> {
+        let _turn = device_turns::turn(self.runner.model().device())?;
         self.runner.capture_cuda_graphs(&self.manager, max_context)
     }
 
@@ -433,6 +460,9 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         if !self.has_work() {
             return Ok(Vec::new());
         }
+        // Engines sharing a CUDA device handle step one at a time (a
+        // capture records whatever enters its stream).
+        let _turn = device_turns::turn(self.runner.model().device())?;
         // Schedule: admissions, the step's work, preemptions.
         let scheduled = self.scheduler.schedule(&mut self.manager);
         self.collect_scheduler_outcomes();

@@ -4,13 +4,15 @@
 //! ([`crate::ops::sample`]), and one copy of `2 * rows` integers back.
 //! Nothing the size of a vocabulary row comes to the host.
 //!
-//! On a CUDA device, `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING` says which
-//! rows the crate's own picking kernels take ([`DevicePicking`]): by
-//! default every row (penalties, the greedy kernel and the sampling
-//! kernel); `greedy` only the plain greedy rows, every other row (a
-//! penalty or a draw) coming to the host in one copy, where the same
-//! definition picks its token; `0` none of them (candle's argmax for the
-//! plain greedy rows). The tokens are the same in all three.
+//! On a CUDA device, [`DevicePicking`] says which rows the crate's own
+//! picking kernels take: by default every row (penalties, the greedy
+//! kernel and the sampling kernel); `Greedy` only the plain greedy rows,
+//! every other row (a penalty or a draw) coming to the host in one copy,
+//! where the same definition picks its token; `Off` none of them
+//! (candle's argmax for the plain greedy rows). The tokens are the same in
+//! all three. An engine takes it from
+//! [`Engine::with_device_picking`](super::Engine::with_device_picking), or
+//! from `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING` when it is built.
 
 use candle_core::{bail, DType, Result, Tensor, D};
 
@@ -56,37 +58,42 @@ pub(super) fn first_non_finite(logits: &Tensor) -> Result<Option<String>> {
         .map(|(t, v)| format!("token {t} of {} has logit {v}", values.len())))
 }
 
-/// Which rows of CUDA logits the crate's picking kernels take, from
-/// `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum DevicePicking {
-    /// `0`: none (candle's argmax for plain greedy rows, the host for the
-    /// others).
+/// Which rows of a step's CUDA logits the crate's picking kernels take
+/// (the tokens are the same in every mode; logits on the CPU are always
+/// picked on the CPU).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DevicePicking {
+    /// None: candle's argmax for plain greedy rows, one copy to the host
+    /// for the others.
     Off,
-    /// `greedy`: the greedy kernel for plain greedy rows, the host for the
-    /// others.
+    /// The greedy kernel for plain greedy rows, one copy to the host for
+    /// the others (a penalty or a draw).
     Greedy,
-    /// Unset, or any other value: every row (penalties, the greedy and the
-    /// sampling kernel).
+    /// Every row: penalties, the greedy and the sampling kernel (the
+    /// default).
+    #[default]
     All,
 }
 
-fn device_picking() -> DevicePicking {
-    match std::env::var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING").as_deref() {
-        Ok("0") => DevicePicking::Off,
-        Ok("greedy") => DevicePicking::Greedy,
-        _ => DevicePicking::All,
+impl DevicePicking {
+    /// From `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING`: `0` is
+    /// [`Off`](Self::Off), `greedy` [`Greedy`](Self::Greedy), unset or any
+    /// other value [`All`](Self::All).
+    pub fn from_env() -> Self {
+        match std::env::var("CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING").as_deref() {
+            Ok("0") => Self::Off,
+            Ok("greedy") => Self::Greedy,
+            _ => Self::All,
+        }
     }
 }
 
 /// `(rows, 2)` u32 of `[argmax, finite]` per row of `(rows, vocab)`
 /// `logits` (finite is 1 when the row holds no NaN and no infinity),
-/// computed on the logits' device.
-pub(super) fn greedy_pairs(logits: &Tensor) -> Result<Tensor> {
-    if logits.device().is_cuda()
-        && logits.dtype() == DType::F32
-        && device_picking() != DevicePicking::Off
-    {
+/// computed on the logits' device (by the crate's kernel on CUDA f32
+/// logits unless `picking` is [`DevicePicking::Off`]).
+pub(super) fn greedy_pairs(logits: &Tensor, picking: DevicePicking) -> Result<Tensor> {
+    if logits.device().is_cuda() && logits.dtype() == DType::F32 && picking != DevicePicking::Off {
         // One kernel and one read of the logits for both answers.
         return crate::ops::greedy::greedy_tokens(logits);
     }
@@ -137,8 +144,13 @@ pub(super) fn apply_penalties(logits: &Tensor, picks: &[RowPick]) -> Result<Tens
 /// The token of each row of `(rows, vocab)` `logits` as its [`RowPick`]
 /// says (penalties, then the argmax or a draw), or `None` for a row whose
 /// (penalised) logits hold a NaN or an infinity. Runs on the logits'
-/// device and reads back `2 * rows` integers.
-pub(crate) fn pick_tokens(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Option<u32>>> {
+/// device and reads back `2 * rows` integers; on a CUDA device `picking`
+/// says which rows the crate's kernels take.
+pub(crate) fn pick_tokens(
+    logits: &Tensor,
+    picks: &[RowPick],
+    picking: DevicePicking,
+) -> Result<Vec<Option<u32>>> {
     let (rows, _) = logits.dims2()?;
     if rows != picks.len() {
         bail!(
@@ -146,15 +158,15 @@ pub(crate) fn pick_tokens(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Opti
             picks.len()
         );
     }
-    if logits.device().is_cuda() && device_picking() != DevicePicking::All {
-        return pick_on_host(logits, picks);
+    if logits.device().is_cuda() && picking != DevicePicking::All {
+        return pick_on_host(logits, picks, picking);
     }
     let logits = apply_penalties(logits, picks)?;
     let (greedy, drawn): (Vec<usize>, Vec<usize>) =
         (0..rows).partition(|&r| picks[r].draw.is_none());
     let mut parts = Vec::with_capacity(2);
     if !greedy.is_empty() {
-        parts.push(greedy_pairs(&pick_rows(&logits, &greedy)?)?);
+        parts.push(greedy_pairs(&pick_rows(&logits, &greedy)?, picking)?);
     }
     if !drawn.is_empty() {
         let draws: Vec<RowSampling> = drawn.iter().filter_map(|&r| picks[r].draw).collect();
@@ -175,12 +187,16 @@ pub(crate) fn pick_tokens(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Opti
 /// [`pick_tokens`] of CUDA `logits` without the sampling kernel: the plain
 /// greedy rows on the device ([`greedy_pairs`]), the others (a penalty or a
 /// draw) copied to the host in one copy and picked there.
-fn pick_on_host(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Option<u32>>> {
+fn pick_on_host(
+    logits: &Tensor,
+    picks: &[RowPick],
+    picking: DevicePicking,
+) -> Result<Vec<Option<u32>>> {
     let (plain, other): (Vec<usize>, Vec<usize>) =
         (0..picks.len()).partition(|&r| picks[r].draw.is_none() && picks[r].penalties.is_empty());
     let mut tokens = vec![None; picks.len()];
     if !plain.is_empty() {
-        let pairs: Vec<Vec<u32>> = greedy_pairs(&pick_rows(logits, &plain)?)?.to_vec2()?;
+        let pairs: Vec<Vec<u32>> = greedy_pairs(&pick_rows(logits, &plain)?, picking)?.to_vec2()?;
         for (pair, &r) in pairs.iter().zip(&plain) {
             tokens[r] = (pair[1] == 1).then_some(pair[0]);
         }
@@ -188,7 +204,10 @@ fn pick_on_host(logits: &Tensor, picks: &[RowPick]) -> Result<Vec<Option<u32>>> 
     if !other.is_empty() {
         let host = pick_rows(logits, &other)?.to_device(&candle_core::Device::Cpu)?;
         let host_picks: Vec<RowPick> = other.iter().map(|&r| picks[r].clone()).collect();
-        for (t, &r) in pick_tokens(&host, &host_picks)?.into_iter().zip(&other) {
+        for (t, &r) in pick_tokens(&host, &host_picks, picking)?
+            .into_iter()
+            .zip(&other)
+        {
             tokens[r] = t;
         }
     }
@@ -217,7 +236,7 @@ mod tests {
         let flat: Vec<f32> = rows.iter().flatten().copied().collect();
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let logits = Tensor::from_vec(flat.clone(), (6, 5), &Device::Cpu)?.to_dtype(dtype)?;
-            let pairs: Vec<Vec<u32>> = greedy_pairs(&logits)?.to_vec2()?;
+            let pairs: Vec<Vec<u32>> = greedy_pairs(&logits, DevicePicking::All)?.to_vec2()?;
             let finite: Vec<bool> = pairs.iter().map(|p| p[1] == 1).collect();
             // 1e38 is infinite in f16: that row is flagged there.
             let last = dtype != DType::F16;
@@ -232,7 +251,8 @@ mod tests {
             assert_eq!(tokens, want, "{dtype:?}");
             assert_eq!((tokens[0], tokens[5]), (2, 0), "{dtype:?}");
             // A gather of some rows, as for a batch of greedy and sampled rows.
-            let pairs: Vec<Vec<u32>> = greedy_pairs(&pick_rows(&logits, &[3, 0])?)?.to_vec2()?;
+            let pairs: Vec<Vec<u32>> =
+                greedy_pairs(&pick_rows(&logits, &[3, 0])?, DevicePicking::All)?.to_vec2()?;
             assert_eq!(pairs, [[1, 0], [2, 1]], "{dtype:?}");
         }
         Ok(())
@@ -311,7 +331,7 @@ mod tests {
                 draw: None,
             },
         ];
-        let got = pick_tokens(&logits, &picks)?;
+        let got = pick_tokens(&logits, &picks, DevicePicking::All)?;
         let argmax = |r: &[f32]| {
             let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             r.iter().position(|&v| v == m).map(|i| i as u32)

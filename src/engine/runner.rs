@@ -14,7 +14,7 @@ use super::buckets::{decode_split_plan_keys, MAX_MIXED_GRAPH_TOKENS};
 #[cfg(feature = "cuda")]
 use super::graphs::StepGraphs;
 use super::pick::RowPick;
-use super::pick::{first_non_finite, pick_tokens};
+use super::pick::{first_non_finite, pick_tokens, DevicePicking};
 use super::scheduler::SchedulerConfig;
 use super::OP;
 use crate::cache::{BlockManager, ScheduledBatch, Work};
@@ -48,6 +48,8 @@ pub(super) struct ModelRunner<'m, M: PagedModel + ?Sized> {
     cuda_graphs: bool,
     /// Whether steps with prefills do too (else only pure-decode steps).
     mixed_graphs: bool,
+    /// Which rows of CUDA logits the crate's picking kernels take.
+    picking: DevicePicking,
     #[cfg(feature = "cuda")]
     graphs: RefCell<StepGraphs>,
     /// Whether the grow-only scratch buffers of the forward pass have been
@@ -70,6 +72,7 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
             config,
             cuda_graphs: true,
             mixed_graphs: true,
+            picking: DevicePicking::from_env(),
             #[cfg(feature = "cuda")]
             graphs: RefCell::new(StepGraphs::new().with_mixed_token_limit(mixed_token_limit)),
             #[cfg(feature = "cuda")]
@@ -96,6 +99,11 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
     /// steps keep theirs while graphs are on).
     pub(super) fn set_mixed_graphs(&mut self, enable: bool) {
         self.mixed_graphs = enable;
+    }
+
+    /// Sets which rows of CUDA logits the crate's picking kernels take.
+    pub(super) fn set_device_picking(&mut self, picking: DevicePicking) {
+        self.picking = picking;
     }
 
     /// True when steps may replay CUDA graphs: graphs are on, the
@@ -308,7 +316,7 @@ impl<'m, M: PagedModel + ?Sized> ModelRunner<'m, M> {
             );
         }
         Ok(StepLogits {
-            tokens: pick_tokens(&logits, picks)?
+            tokens: pick_tokens(&logits, picks, self.picking)?
                 .into_iter()
                 .enumerate()
                 .map(|(r, t)| match t {

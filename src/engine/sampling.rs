@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::pick::{first_non_finite, pick_tokens, RowPick};
+use super::pick::{first_non_finite, pick_tokens, DevicePicking, RowPick};
 use crate::ops::sample::RowSampling;
 
 /// How one sequence picks its tokens and when it stops.
@@ -249,7 +249,11 @@ impl Sampler {
     pub fn sample(&self, logits: &Tensor, prompt: &[u32], generated: &[u32]) -> Result<u32> {
         check_finite(logits)?;
         let rows = logits.to_dtype(DType::F32)?.unsqueeze(0)?;
-        let picked = pick_tokens(&rows, &[self.row_pick(prompt, generated)])?;
+        let picked = pick_tokens(
+            &rows,
+            &[self.row_pick(prompt, generated)],
+            DevicePicking::from_env(),
+        )?;
         match picked.first() {
             Some(Some(t)) => Ok(*t),
             _ => bail!("sampling: the penalised logits are not finite"),
