@@ -153,7 +153,7 @@ impl SamplingParams {
 const GREEDY_BELOW: f64 = 1e-7;
 
 /// The sampler of one sequence: its parameters, ready to give each step's
-/// [`RowPick`].
+/// row pick (its penalties and its draw; see [`Sampler::sample`]).
 #[derive(Clone, Debug)]
 pub struct Sampler {
     /// The draw's parameters (step 0); `None` when greedy.
