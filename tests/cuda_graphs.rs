@@ -4,8 +4,8 @@
 //! within f32 noise (decode steps, and steps mixing decodes with prompt
 //! chunks).
 //!
-//! * random-weight Llama (f32) and Gemma 3 (bf16, sliding-window groups)
-//!   through the engine: batches of 1, 3 and 6 sequences (buckets 1, 4 and
+//! * random-weight Llama (f32), Gemma 2 (f32, softcaps, sliding windows)
+//!   and Gemma 3 (bf16, sliding-window groups) through the engine: batches of 1, 3 and 6 sequences (buckets 1, 4 and
 //!   8, shrinking as requests finish) and prompts past 512 tokens (table
 //!   widths 32 and 64 blocks);
 //! * SmolLM2-135M (GGUF Q4_1, f32 and bf16 activations, graphs captured on
@@ -39,7 +39,7 @@ use candle_paged_attention::engine::{
     DevicePicking, Engine, EngineStats, Request, SamplingParams, SchedulerConfig, StepGraphs,
 };
 use candle_paged_attention::models::{
-    gemma3, llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
+    gemma2, gemma3, llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
 };
 use candle_paged_attention::{BlockManager, Work};
 use rand::{Rng, SeedableRng};
@@ -400,6 +400,31 @@ cuda_test! {
         for (seed, lens) in [(4, vec![20]), (5, vec![70, 9, 530])] {
             let prompts = random_prompts(seed, &lens, 400);
             same_tokens(&format!("gemma3 {lens:?}"), &model, &prompts, 40, 256, seed == 5, 0.0)?;
+        }
+        Ok(())
+    }
+}
+
+cuda_test! {
+    /// Gemma 2 (f32): logit softcapping in the attention and on the
+    /// logits, sliding-window layers beside global ones (window 24 over
+    /// 16-token blocks).
+    fn gemma2_graphs_give_the_eager_tokens(dev: &Device) -> Result<()> {
+        let _serial = serial();
+        let cfg: gemma2::Config = serde_json::from_str(
+            r#"{"attention_bias": false, "head_dim": 32, "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+            "num_hidden_layers": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "vocab_size": 300, "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 32,
+            "sliding_window": 24, "max_position_embeddings": 2048}"#,
+        )?;
+        let varmap = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, dev);
+        let model = gemma2::Gemma2::load(vb, &cfg, PagedOptions::default())?;
+        for (seed, lens) in [(6, vec![30]), (7, vec![80, 9, 300, 41])] {
+            let prompts = random_prompts(seed, &lens, 300);
+            same_tokens(&format!("gemma2 {lens:?}"), &model, &prompts, 32, 256, seed == 7, 0.0)?;
         }
         Ok(())
     }

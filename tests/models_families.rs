@@ -7,7 +7,9 @@
 //!   engine with chunked prefills, equal candle-transformers' greedy tokens
 //!   of each prompt alone;
 //! * each family loads through `models::load` from a folder (config.json,
-//!   model.safetensors, tokenizer.json), through its registry row.
+//!   model.safetensors, tokenizer.json), through its registry row;
+//! * on CUDA, the engine's steps replay CUDA graphs and give the tokens of
+//!   the same engine with graphs off (exactly in f32).
 //!
 //! candle-transformers' Mistral masks keys `i - j > sliding_window` of a
 //! prefill's own tokens only (none from its cache), so with a window the
@@ -19,7 +21,9 @@ use std::collections::HashMap;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
-use candle_paged_attention::engine::{Engine, Request, SamplingParams, SchedulerConfig};
+use candle_paged_attention::engine::{
+    Engine, EngineStats, Request, SamplingParams, SchedulerConfig,
+};
 use candle_paged_attention::models::{
     self, mistral, phi3, qwen2, qwen3, CacheConfig, LoadOptions, PagedKvCache, PagedModel,
     PagedOptions,
@@ -170,8 +174,17 @@ fn their_tokens(
 }
 
 /// Our greedy tokens of every prompt, batched in one engine with chunked
-/// prefills (at most 8 tokens a step).
+/// prefills (at most 8 tokens a step), CUDA graphs on (the default).
 fn engine_tokens(model: &dyn PagedModel, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
+    Ok(engine_run(model, prompts, true)?.0)
+}
+
+/// [`engine_tokens`] with CUDA graphs on or off, and the engine's counters.
+fn engine_run(
+    model: &dyn PagedModel,
+    prompts: &[Vec<u32>],
+    graphs: bool,
+) -> Result<(Vec<Vec<u32>>, EngineStats)> {
     let cache = PagedKvCache::new(
         &model.attention_layers(),
         CacheConfig::new(64),
@@ -182,7 +195,7 @@ fn engine_tokens(model: &dyn PagedModel, prompts: &[Vec<u32>]) -> Result<Vec<Vec
         max_batch_tokens: 8,
         max_num_seqs: 16,
     };
-    let mut engine = Engine::new(model, cache, config)?;
+    let mut engine = Engine::new(model, cache, config)?.with_cuda_graphs(graphs);
     for (i, p) in prompts.iter().enumerate() {
         engine.add_request(Request {
             id: i as u64,
@@ -194,7 +207,10 @@ fn engine_tokens(model: &dyn PagedModel, prompts: &[Vec<u32>]) -> Result<Vec<Vec
     for c in engine.run(|_| {})? {
         out[c.id as usize] = c.tokens;
     }
-    Ok(out)
+    if let Some(e) = engine.cuda_graph_error() {
+        anyhow::bail!("a CUDA-graph capture failed: {e}");
+    }
+    Ok((out, engine.stats()))
 }
 
 /// (a) and (b) of the module docs for `family` on the CPU in f32; returns
@@ -241,6 +257,33 @@ fn check_family_on(
         family.name
     );
     let batched = engine_tokens(ours.as_ref(), &prompts)?;
+    if dev.is_cuda() {
+        // The steps above replayed CUDA graphs; eagerly, the same tokens
+        // (exactly in f32; counted in a 16-bit dtype, where a padded
+        // batch rounds apart and may flip a near tie).
+        let (graph, stats) = engine_run(ours.as_ref(), &prompts, true)?;
+        let (eager, eager_stats) = engine_run(ours.as_ref(), &prompts, false)?;
+        ensure!(
+            stats.graph_steps > 0 && eager_stats.graph_steps == 0,
+            "{}: graph steps {} with graphs on, {} off",
+            family.name,
+            stats.graph_steps,
+            eager_stats.graph_steps
+        );
+        let same = graph.iter().zip(&eager).filter(|(g, e)| g == e).count();
+        println!(
+            "{} on {dev:?} in {dtype:?}: graph and eager tokens equal on {same} of {} prompts ({} of {} steps replayed)",
+            family.name,
+            prompts.len(),
+            stats.graph_steps,
+            stats.steps
+        );
+        ensure!(
+            dtype != DType::F32 || same == prompts.len(),
+            "{}: graph tokens {graph:?}, eager {eager:?}",
+            family.name
+        );
+    }
     let mut equal = 0;
     for (i, p) in prompts.iter().enumerate() {
         let alone = their_tokens(theirs.as_mut(), p, family.recompute, dev)?;

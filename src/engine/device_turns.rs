@@ -39,14 +39,13 @@ pub(super) fn turn(dev: &Device) -> Result<Turn> {
         // run engines in a process, and a lock is a few bytes.
         type Locks = HashMap<DeviceId, &'static Mutex<()>>;
         static LOCKS: OnceLock<Mutex<Locks>> = OnceLock::new();
-        let lock: &'static Mutex<()> = *LOCKS
-            .get_or_init(Default::default)
-            .lock()
-            .map_err(|_| {
-                candle_core::Error::Msg("engine: the device turn table is poisoned".into())
-            })?
+        let mut locks = LOCKS.get_or_init(Default::default).lock().map_err(|_| {
+            candle_core::Error::Msg("engine: the device turn table is poisoned".into())
+        })?;
+        let lock: &'static Mutex<()> = locks
             .entry(cuda.id())
             .or_insert_with(|| Box::leak(Box::new(Mutex::new(()))));
+        drop(locks);
         // A panic in another engine's step leaves nothing behind the lock
         // to repair: take it anyway.
         return Ok(Turn {
