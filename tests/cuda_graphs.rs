@@ -36,7 +36,8 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_paged_attention::engine::{
-    DevicePicking, Engine, EngineStats, Request, SamplingParams, SchedulerConfig, StepGraphs,
+    hold_captures, DevicePicking, Engine, EngineStats, Request, SamplingParams, SchedulerConfig,
+    StepGraphs,
 };
 use candle_paged_attention::models::{
     gemma2, gemma3, llama, quantized_llama, CacheConfig, PagedKvCache, PagedModel, PagedOptions,
@@ -101,12 +102,18 @@ fn run_engine_picking(
     mixed: bool,
     picking: DevicePicking,
 ) -> Result<(Vec<Vec<u32>>, EngineStats)> {
-    let cache = PagedKvCache::new(
-        &model.attention_layers(),
-        CacheConfig::new(num_blocks),
-        model.dtype(),
-        model.device(),
-    )?;
+    // Device work outside the engine's steps (the cache's allocation here,
+    // its release below) holds off captures: an engine on another thread
+    // may share this device handle (see `hold_captures`).
+    let cache = {
+        let _no_captures = hold_captures(model.device())?;
+        PagedKvCache::new(
+            &model.attention_layers(),
+            CacheConfig::new(num_blocks),
+            model.dtype(),
+            model.device(),
+        )?
+    };
     let config = SchedulerConfig {
         max_batch_tokens: 512,
         max_num_seqs: 16,
@@ -133,10 +140,15 @@ fn run_engine_picking(
         ensure!(c.error().is_none(), "request {}: {:?}", c.id, c.finish);
         out[c.id as usize] = c.tokens;
     }
-    if let Some(e) = engine.cuda_graph_error() {
+    let (error, stats) = (engine.cuda_graph_error(), engine.stats());
+    {
+        let _no_captures = hold_captures(model.device())?;
+        drop(engine);
+    }
+    if let Some(e) = error {
         anyhow::bail!("a capture failed: {e}");
     }
-    Ok((out, engine.stats()))
+    Ok((out, stats))
 }
 
 /// The last row's logits of one sequence `tokens`, from one eager prefill.
@@ -256,10 +268,12 @@ fn same_tokens(
     Ok(())
 }
 
-/// Serialises this file's tests: two engines capturing and replaying
-/// graphs on one device from two test threads crashed the process
-/// (a segmentation fault with the 8B-shaped test beside the Gemma one,
-/// 2026-12-06; one at a time they pass). Held for a whole test.
+/// Serialises this file's tests, held for a whole test: each test builds
+/// its models while other tests' engines would capture (drawing random
+/// weights synchronizes the device, which invalidates a capture in
+/// progress; a process crashed inside the driver that way, 2026-12-06),
+/// and the 8B-shaped tests need about 20 GB each. The tests of engines at
+/// once make their own threads and hold `hold_captures` instead.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
@@ -664,9 +678,13 @@ where
 /// through the engine with graphs off and on (pre-captured).
 fn small_llama_job(dev: &Device) -> Result<()> {
     let cfg = llama_config(3, 256, 512, (8, 2), 512);
-    let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
+    // Drawing random weights synchronizes the device: no capture meanwhile.
+    let model = {
+        let _no_captures = hold_captures(dev)?;
+        random_llama(&cfg, 0.08, DType::F32, dev)?
+    };
     let prompts = random_prompts(3, &[12, 700, 33, 64, 3, 250], cfg.vocab_size);
-    same_tokens(
+    let result = same_tokens(
         "llama beside another engine",
         &model,
         &prompts,
@@ -674,18 +692,24 @@ fn small_llama_job(dev: &Device) -> Result<()> {
         512,
         true,
         0.0,
-    )
+    );
+    let _no_captures = hold_captures(dev)?;
+    drop(model);
+    result
 }
 
 /// The small Gemma 3 (bf16, window 48) of `gemma3_graphs_give_the_eager_tokens`
 /// on `dev`, graphs captured on demand.
 fn small_gemma3_job(dev: &Device) -> Result<()> {
     let cfg = gemma3_config(48)?;
-    let varmap = candle_nn::VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::BF16, dev);
-    let model = gemma3::Gemma3::load(vb, &cfg, PagedOptions::default())?;
+    let model = {
+        let _no_captures = hold_captures(dev)?;
+        let varmap = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::BF16, dev);
+        gemma3::Gemma3::load(vb, &cfg, PagedOptions::default())?
+    };
     let prompts = random_prompts(5, &[70, 9, 530], 400);
-    same_tokens(
+    let result = same_tokens(
         "gemma3 beside another engine",
         &model,
         &prompts,
@@ -693,7 +717,10 @@ fn small_gemma3_job(dev: &Device) -> Result<()> {
         256,
         false,
         0.0,
-    )
+    );
+    let _no_captures = hold_captures(dev)?;
+    drop(model);
+    result
 }
 
 cuda_test! {
@@ -728,7 +755,10 @@ cuda_test! {
         let other = Device::new_cuda(0)?;
         let big = |dev: &Device| -> Result<()> {
             let cfg = llama_config(32, 4096, 14336, (32, 8), 128_256);
-            let model = random_llama(&cfg, 0.02, DType::BF16, dev)?;
+            let model = {
+                let _no_captures = hold_captures(dev)?;
+                random_llama(&cfg, 0.02, DType::BF16, dev)?
+            };
             let prompts = random_prompts(8, &[128, 20, 600, 64], cfg.vocab_size);
             same_tokens("llama3-8b-shaped beside gemma3", &model, &prompts, 24, 1024, false, 0.03)
         };

@@ -510,6 +510,10 @@ fn capture<M: PagedModel + ?Sized>(
     let ctx = stream.context().clone();
     let capture_err =
         |what: &str, e: &dyn std::fmt::Debug| Failure::Capture(format!("{what}: {e:?}"));
+    // One capture on the device at a time, and none while another thread
+    // holds `hold_captures` (see `device_turns`).
+    let capture_turn =
+        super::device_turns::capture_turn(model.device()).map_err(Failure::Forward)?;
     stream
         .synchronize()
         .map_err(|e| capture_err("synchronize before capture", &e))?;
@@ -522,6 +526,7 @@ fn capture<M: PagedModel + ?Sized>(
     let begun = stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
     let recorded = begun.is_ok().then(step);
     let ended = stream.end_capture(CUgraphInstantiate_flags(0));
+    drop(capture_turn);
     // SAFETY: see above; slices created from here on track their uses again.
     unsafe { ctx.enable_event_tracking() };
     begun.map_err(|e| capture_err("begin capture", &e))?;

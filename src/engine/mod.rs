@@ -18,7 +18,11 @@
 //! same time. Engines whose models share one CUDA device handle (a
 //! `Device` and its clones: one stream) take turns for their steps and
 //! captures (`device_turns.rs`); give each model a handle of its own
-//! (`Device::new_cuda` once per model) to run them side by side. Choose
+//! (`Device::new_cuda` once per model) to run them side by side. One
+//! capture runs on a device at a time, and work that synchronizes the
+//! whole device (loading a model, creating a handle) must not run while
+//! one does: load models before engines step, or hold
+//! [`hold_captures`] around the loading. Choose
 //! the engine's options through its methods
 //! ([`Engine::with_device_picking`] rather than setting
 //! `CANDLE_PAGED_ATTENTION_DEVICE_SAMPLING` from the program): changing
@@ -104,6 +108,7 @@ pub use buckets::{
     MIN_TABLE_WIDTH, MIXED_TOKEN_BUCKETS,
 };
 pub use builder::{EngineBuilder, KvCacheSpec};
+pub use device_turns::{hold_captures, Turn};
 #[cfg(feature = "cuda")]
 pub use graphs::{GraphStats, StepGraphs, MAX_MIXED_GRAPHS};
 pub use pick::DevicePicking;
@@ -257,7 +262,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
     /// start-up too). Returns the graphs ready; 0 when graphs are off or
     /// unavailable (see [`uses_cuda_graphs`](Self::uses_cuda_graphs)).
     pub fn capture_cuda_graphs(&mut self, max_context: usize) -> Result<usize> {
-        let _turn = device_turns::turn(self.runner.model().device())?;
+        let _turn = device_turns::handle_turn(self.runner.model().device())?;
         self.runner.capture_cuda_graphs(&self.manager, max_context)
     }
 
@@ -462,7 +467,7 @@ impl<'m, M: PagedModel + ?Sized> Engine<'m, M> {
         }
         // Engines sharing a CUDA device handle step one at a time (a
         // capture records whatever enters its stream).
-        let _turn = device_turns::turn(self.runner.model().device())?;
+        let _turn = device_turns::handle_turn(self.runner.model().device())?;
         // Schedule: admissions, the step's work, preemptions.
         let scheduled = self.scheduler.schedule(&mut self.manager);
         self.collect_scheduler_outcomes();
