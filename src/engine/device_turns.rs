@@ -11,9 +11,11 @@
 //!   whole device (`cudaDeviceSynchronize`, which cuRAND's and cuBLAS's
 //!   set-up call: creating a device handle, drawing random tensors) is
 //!   illegal while any stream of the device captures, from any thread: the
-//!   driver invalidates the capture, and a process was seen to crash in the
-//!   driver afterwards (a segmentation fault inside libcuda, 2026-12-06,
-//!   with one thread loading a model while another engine captured on a
+//!   driver invalidates the capture. A process was seen to crash inside
+//!   libcuda after that (2026-12-06: a `cudaDeviceSynchronize` refused
+//!   during a capture, then the capture's frees refused as invalidated,
+//!   then a segmentation fault in a driver thread; one thread was loading
+//!   a model and releasing a cache while another engine captured on the
 //!   handle they shared). Every capture holds the device's capture lock
 //!   ([`capture_turn`]); [`hold_captures`] takes the same lock for such
 //!   work, so that no engine captures while it runs.
