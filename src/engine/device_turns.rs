@@ -32,12 +32,59 @@ use candle_core::{Device, Result};
 #[must_use = "the lock is released when this is dropped"]
 pub struct Turn {
     _lock: Option<MutexGuard<'static, ()>>,
+    /// The device whose capture lock this thread holds through this turn.
+    capture_of: Option<usize>,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        if let Some(gpu) = self.capture_of {
+            held::leave(gpu);
+        }
+    }
+}
+
+/// The capture locks the current thread holds, by device ordinal: taking
+/// one again on the same thread (stepping an engine inside
+/// [`hold_captures`], say) would wait for itself forever, so it is an
+/// error instead.
+mod held {
+    use std::cell::RefCell;
+
+    use candle_core::{bail, Result};
+
+    thread_local! {
+        static HELD: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// Records that this thread takes device `gpu`'s capture lock; an error
+    /// when it already holds it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn enter(gpu: usize) -> Result<()> {
+        HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            if h.contains(&gpu) {
+                bail!(
+                    "engine: CUDA device {gpu}'s capture lock is already held by this thread \
+                     (an engine stepped or captured inside hold_captures?)"
+                );
+            }
+            h.push(gpu);
+            Ok(())
+        })
+    }
+
+    /// Records that this thread released device `gpu`'s capture lock.
+    pub(super) fn leave(gpu: usize) {
+        HELD.with(|h| h.borrow_mut().retain(|&g| g != gpu));
+    }
 }
 
 impl std::fmt::Debug for Turn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Turn")
             .field("held", &self._lock.is_some())
+            .field("capture_of", &self.capture_of)
             .finish()
     }
 }
@@ -82,10 +129,14 @@ pub(super) fn handle_turn(dev: &Device) -> Result<Turn> {
         let table = HANDLES.get_or_init(Default::default);
         return Ok(Turn {
             _lock: Some(locks::take(table, cuda.id())?),
+            capture_of: None,
         });
     }
     let _ = dev;
-    Ok(Turn { _lock: None })
+    Ok(Turn {
+        _lock: None,
+        capture_of: None,
+    })
 }
 
 /// Takes the capture lock of `dev`'s device (its ordinal, whatever the
@@ -98,12 +149,23 @@ pub(crate) fn capture_turn(dev: &Device) -> Result<Turn> {
 
         static DEVICES: OnceLock<Mutex<HashMap<usize, &'static Mutex<()>>>> = OnceLock::new();
         let table = DEVICES.get_or_init(Default::default);
-        return Ok(Turn {
-            _lock: Some(locks::take(table, gpu_id)?),
-        });
+        held::enter(gpu_id)?;
+        return match locks::take(table, gpu_id) {
+            Ok(lock) => Ok(Turn {
+                _lock: Some(lock),
+                capture_of: Some(gpu_id),
+            }),
+            Err(e) => {
+                held::leave(gpu_id);
+                Err(e)
+            }
+        };
     }
     let _ = dev;
-    Ok(Turn { _lock: None })
+    Ok(Turn {
+        _lock: None,
+        capture_of: None,
+    })
 }
 
 /// Keeps the crate's engines from capturing CUDA graphs on `dev`'s device
@@ -112,6 +174,10 @@ pub(crate) fn capture_turn(dev: &Device) -> Result<Turn> {
 /// engines run on other threads: loading a model (drawing random weights,
 /// a new handle's cuBLAS set-up), creating a device handle. On the CPU, or
 /// without the `cuda` feature, it holds nothing.
+///
+/// Fails (instead of waiting for itself) when this thread already holds
+/// it; an engine step that needs a capture while its thread holds it fails
+/// the same way (the step is rolled back and can be retried after).
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
@@ -126,4 +192,29 @@ pub(crate) fn capture_turn(dev: &Device) -> Result<Turn> {
 /// ```
 pub fn hold_captures(dev: &Device) -> Result<Turn> {
     capture_turn(dev)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::held;
+
+    #[test]
+    fn a_capture_lock_taken_twice_on_one_thread_is_an_error_not_a_wait() {
+        held::enter(7).unwrap();
+        let again = held::enter(7).unwrap_err().to_string();
+        assert!(
+            again.contains("device 7") && again.contains("hold_captures"),
+            "{again}"
+        );
+        // Another device, or another thread, is free to take its own.
+        held::enter(8).unwrap();
+        std::thread::spawn(|| held::enter(7))
+            .join()
+            .unwrap()
+            .unwrap();
+        held::leave(7);
+        held::leave(8);
+        held::enter(7).unwrap();
+        held::leave(7);
+    }
 }
