@@ -67,6 +67,29 @@ fn request_params(i: usize, max_tokens: usize, mixed: bool) -> SamplingParams {
     }
 }
 
+/// How [`run_engine`] runs its engine.
+#[derive(Clone, Copy, Debug)]
+struct Mode {
+    /// CUDA graphs on.
+    graphs: bool,
+    /// Every graph captured before the first request (else on demand).
+    precapture: bool,
+    /// Sampled and penalised requests beside greedy ones ([`request_params`]).
+    mixed: bool,
+    /// Which rows of CUDA logits the device picking kernels take.
+    picking: DevicePicking,
+}
+
+impl Mode {
+    /// Graphs off, greedy requests, every row picked on the device.
+    const EAGER: Self = Self {
+        graphs: false,
+        precapture: false,
+        mixed: false,
+        picking: DevicePicking::All,
+    };
+}
+
 /// Completions of `prompts` (by request id; see [`request_params`]) and
 /// the engine's counters.
 fn run_engine(
@@ -74,33 +97,7 @@ fn run_engine(
     prompts: &[Vec<u32>],
     max_tokens: usize,
     num_blocks: usize,
-    graphs: bool,
-    precapture: bool,
-    mixed: bool,
-) -> Result<(Vec<Vec<u32>>, EngineStats)> {
-    run_engine_picking(
-        model,
-        prompts,
-        max_tokens,
-        num_blocks,
-        graphs,
-        precapture,
-        mixed,
-        DevicePicking::All,
-    )
-}
-
-/// [`run_engine`] with the rows of CUDA logits `picking` says on the device.
-#[allow(clippy::too_many_arguments)]
-fn run_engine_picking(
-    model: &dyn PagedModel,
-    prompts: &[Vec<u32>],
-    max_tokens: usize,
-    num_blocks: usize,
-    graphs: bool,
-    precapture: bool,
-    mixed: bool,
-    picking: DevicePicking,
+    mode: Mode,
 ) -> Result<(Vec<Vec<u32>>, EngineStats)> {
     // Device work outside the engine's steps (the cache's allocation here,
     // its release below) holds off captures: an engine on another thread
@@ -119,12 +116,12 @@ fn run_engine_picking(
         max_num_seqs: 16,
     };
     let mut engine = Engine::new(model, cache, config)?
-        .with_cuda_graphs(graphs)
-        .with_device_picking(picking);
-    if precapture {
+        .with_cuda_graphs(mode.graphs)
+        .with_device_picking(mode.picking);
+    if mode.precapture {
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + max_tokens;
         let ready = engine.capture_cuda_graphs(longest)?;
-        ensure!(!graphs || ready > 0, "no graph was captured up front");
+        ensure!(!mode.graphs || ready > 0, "no graph was captured up front");
     }
     for (i, p) in prompts.iter().enumerate() {
         // Different lengths: requests finish at different steps, so the
@@ -132,7 +129,7 @@ fn run_engine_picking(
         engine.add_request(Request {
             id: i as u64,
             prompt: p.clone(),
-            params: request_params(i, max_tokens, mixed),
+            params: request_params(i, max_tokens, mode.mixed),
         })?;
     }
     let mut out = vec![Vec::new(); prompts.len()];
@@ -225,11 +222,13 @@ fn same_tokens(
     precapture: bool,
     tie_rel: f32,
 ) -> Result<()> {
-    let (eager, eager_stats) =
-        run_engine(model, prompts, max_tokens, num_blocks, false, false, false)?;
-    let (graph, stats) = run_engine(
-        model, prompts, max_tokens, num_blocks, true, precapture, false,
-    )?;
+    let (eager, eager_stats) = run_engine(model, prompts, max_tokens, num_blocks, Mode::EAGER)?;
+    let graphs = Mode {
+        graphs: true,
+        precapture,
+        ..Mode::EAGER
+    };
+    let (graph, stats) = run_engine(model, prompts, max_tokens, num_blocks, graphs)?;
     eprintln!(
         "{name}: {} prompts, eager {eager_stats:?}, graphs {stats:?}",
         prompts.len()
@@ -378,10 +377,19 @@ cuda_test! {
         let cfg = llama_config(3, 256, 512, (8, 2), 512);
         let model = random_llama(&cfg, 0.08, DType::F32, dev)?;
         let prompts = random_prompts(4, &[12, 300, 33, 64, 3, 90], cfg.vocab_size);
-        let (host, _) =
-            run_engine_picking(&model, &prompts, 24, 512, false, false, true, DevicePicking::Off)?;
-        let (device, stats) =
-            run_engine_picking(&model, &prompts, 24, 512, true, true, true, DevicePicking::All)?;
+        let host = Mode {
+            mixed: true,
+            picking: DevicePicking::Off,
+            ..Mode::EAGER
+        };
+        let device = Mode {
+            graphs: true,
+            precapture: true,
+            mixed: true,
+            picking: DevicePicking::All,
+        };
+        let (host, _) = run_engine(&model, &prompts, 24, 512, host)?;
+        let (device, stats) = run_engine(&model, &prompts, 24, 512, device)?;
         ensure!(stats.graph_steps > 0, "no step replayed a graph: {stats:?}");
         for (i, (h, d)) in host.iter().zip(&device).enumerate() {
             ensure!(h == d, "request {i} ({:?}): host {h:?}, device {d:?}", request_params(i, 24, true));

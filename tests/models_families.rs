@@ -256,12 +256,12 @@ fn check_family_on(
         "{} on {dev:?} in {dtype:?}: logits differ by {worst} of their scale",
         family.name
     );
-    let batched = engine_tokens(ours.as_ref(), &prompts)?;
+    let (batched, stats) = engine_run(ours.as_ref(), &prompts, true)?;
     if dev.is_cuda() {
         // The steps above replayed CUDA graphs; eagerly, the same tokens
         // (exactly in f32; counted in a 16-bit dtype, where a padded
         // batch rounds apart and may flip a near tie).
-        let (graph, stats) = engine_run(ours.as_ref(), &prompts, true)?;
+        let graph = &batched;
         let (eager, eager_stats) = engine_run(ours.as_ref(), &prompts, false)?;
         ensure!(
             stats.graph_steps > 0 && eager_stats.graph_steps == 0,

@@ -199,22 +199,24 @@ mod tests {
     use super::held;
 
     #[test]
-    fn a_capture_lock_taken_twice_on_one_thread_is_an_error_not_a_wait() {
-        held::enter(7).unwrap();
-        let again = held::enter(7).unwrap_err().to_string();
+    fn a_capture_lock_taken_twice_on_one_thread_is_an_error_not_a_wait() -> candle_core::Result<()>
+    {
+        held::enter(7)?;
+        let again = held::enter(7).err().map(|e| e.to_string());
         assert!(
-            again.contains("device 7") && again.contains("hold_captures"),
-            "{again}"
+            again
+                .as_deref()
+                .is_some_and(|m| m.contains("device 7") && m.contains("hold_captures")),
+            "{again:?}"
         );
         // Another device, or another thread, is free to take its own.
-        held::enter(8).unwrap();
-        std::thread::spawn(|| held::enter(7))
-            .join()
-            .unwrap()
-            .unwrap();
+        held::enter(8)?;
+        let other_thread = std::thread::spawn(|| held::enter(7)).join();
+        assert!(matches!(other_thread, Ok(Ok(()))), "{other_thread:?}");
         held::leave(7);
         held::leave(8);
-        held::enter(7).unwrap();
+        held::enter(7)?;
         held::leave(7);
+        Ok(())
     }
 }
