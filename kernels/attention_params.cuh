@@ -50,12 +50,15 @@ struct AttnParams {
   float out_inv_scale;      // 1 / output_scale for fp8 output, else 1
   int32_t seq_len_hint;     // stream decode: keys per sequence the host expects (0: none); a hint only
   int32_t decode_only;      // stream decode: 1 when every sequence has one new token (query row = sequence)
+  int32_t single_segment_steps;  // stream decode with arrival counters: a sequence whose keys span at most
+                                 // this many 16-key steps runs unsplit (0: the launch's segments always)
+  int32_t reserved;              // 0; keeps the size a multiple of 8
 };
 
 // The layout both sides rely on. The Rust mirror asserts the same size, and
 // a unit test in src/cuda/contract.rs reads these lines back and compares
 // every offset with `std::mem::offset_of!` on the Rust struct.
-static_assert(sizeof(AttnParams) == 224, "AttnParams size changed");
+static_assert(sizeof(AttnParams) == 232, "AttnParams size changed");
 static_assert(offsetof(AttnParams, q) == 0, "AttnParams.q moved");
 static_assert(offsetof(AttnParams, k_cache) == 8, "AttnParams.k_cache moved");
 static_assert(offsetof(AttnParams, v_cache) == 16, "AttnParams.v_cache moved");
@@ -97,5 +100,7 @@ static_assert(offsetof(AttnParams, v_scale) == 208, "AttnParams.v_scale moved");
 static_assert(offsetof(AttnParams, out_inv_scale) == 212, "AttnParams.out_inv_scale moved");
 static_assert(offsetof(AttnParams, seq_len_hint) == 216, "AttnParams.seq_len_hint moved");
 static_assert(offsetof(AttnParams, decode_only) == 220, "AttnParams.decode_only moved");
+static_assert(offsetof(AttnParams, single_segment_steps) == 224, "AttnParams.single_segment_steps moved");
+static_assert(offsetof(AttnParams, reserved) == 228, "AttnParams.reserved moved");
 
 }  // namespace cpa

@@ -61,11 +61,14 @@ CPA_RC(reshape_and_cache_bf16_fp8, __nv_bfloat16, fp8_t)
 
 // ---- rotary embedding fused with the cache write --------------------------
 //
-// `rotary_cache_{ti}_{t}[_fp8]`: one program per token of a joined q/k/v
-// projection row `qkv[t]` = `heads` query heads, `kv_heads` key heads, then
-// `kv_heads` value heads of `head_size` elements (input dtype TI: the
-// model's dtype T, or f32 from a quantized matmul). Each input element is
-// first rounded to T (as a cast of the projection would), then
+// `rotary_cache_{ti}_{t}[_fp8]`: a joined q/k/v projection row `qkv[t]` =
+// `heads` query heads, `kv_heads` key heads, then `kv_heads` value heads of
+// `head_size` elements (input dtype TI: the model's dtype T, or f32 from a
+// quantized matmul). One program per (token t = blockIdx.x, head slot
+// blockIdx.y of the row's heads + 2 kv_heads), so that a one-token step
+// runs one short program per head instead of one program looping over
+// every head (a chain of dependent loads per thread). Each input element
+// is first rounded to T (as a cast of the projection would), then
 // - query and key heads are rotated by the token's rotary row (`cos[t]`,
 //   `sin[t]`, `head_size / 2` values each, dtype T): pairs `(2i, 2i + 1)`
 //   when `interleaved`, else `(i, i + head_size / 2)`; computed in f32 and
@@ -93,16 +96,27 @@ __device__ __forceinline__ void rotary_cache_body(const TI* __restrict__ qkv, co
                                                   int head_size, int interleaved, int64_t capacity,
                                                   float k_inv_scale, float v_inv_scale) {
   const int64_t token = blockIdx.x;
+  const int h = blockIdx.y;  // head slot: query, key, then value heads
   const int half = head_size / 2;
   const int64_t kv_row = (int64_t)kv_heads * head_size;
   const TI* row = qkv + token * ((int64_t)heads * head_size + 2 * kv_row);
-  const T* c_row = cos + token * half;
-  const T* s_row = sin + token * half;
   const int64_t slot = slots[token];
   const bool store = slot >= 0 && slot < capacity;
-  const int pairs = (heads + kv_heads) * half;
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-    const int h = p / half, i = p - h * half;
+  if (h >= heads + kv_heads) {
+    // A value head: stored as it is (rounded to T, then to the cache).
+    if (!store) return;
+    const int vh = h - heads - kv_heads;
+    const TI* v = row + (int64_t)(heads + kv_heads + vh) * head_size;
+    C* dst = value_cache + slot * kv_row + (int64_t)vh * head_size;
+    for (int e = threadIdx.x; e < head_size; e += blockDim.x) {
+      dst[e] = to_cache<C>(from_f32<T>(to_f32(v[e])), v_inv_scale);
+    }
+    return;
+  }
+  if (h >= heads && !store) return;  // a key head of a padding token
+  const T* c_row = cos + token * half;
+  const T* s_row = sin + token * half;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
     const int a = interleaved ? 2 * i : i;
     const int b = interleaved ? 2 * i + 1 : i + half;
     const float x0 = to_f32(from_f32<T>(to_f32(row[h * head_size + a])));
@@ -114,17 +128,11 @@ __device__ __forceinline__ void rotary_cache_body(const TI* __restrict__ qkv, co
       T* q = q_out + (token * heads + h) * head_size;
       q[a] = y0;
       q[b] = y1;
-    } else if (store) {
+    } else {
       C* k = key_cache + slot * kv_row + (int64_t)(h - heads) * head_size;
       k[a] = to_cache<C>(y0, k_inv_scale);
       k[b] = to_cache<C>(y1, k_inv_scale);
     }
-  }
-  if (!store) return;
-  const TI* v = row + (int64_t)(heads + kv_heads) * head_size;
-  C* dst = value_cache + slot * kv_row;
-  for (int64_t e = threadIdx.x; e < kv_row; e += blockDim.x) {
-    dst[e] = to_cache<C>(from_f32<T>(to_f32(v[e])), v_inv_scale);
   }
 }
 

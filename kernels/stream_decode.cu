@@ -73,6 +73,14 @@
 //   `reduce_segments_*` merges. Empty segments store (-inf, 0) pairs only;
 //   the merge skips segments whose sum is 0 (their columns are loaded in
 //   bounds and selected away, never multiplied).
+// * short sequences of a split launch (`single_segment_steps`, with
+//   counters only): a sequence whose keys span at most that many steps
+//   runs unsplit. Every program of its group sees the same length and
+//   decides alike: segment 0 takes every step and writes the output as a
+//   one-segment launch does; the others return after `locate`, storing no
+//   partials and never arriving, so the group's counter stays 0. A
+//   CUDA-graph step splits for the longest sequence it may replay with;
+//   this keeps its short sequences off the partials and the merge.
 //
 // Semantics and NaN handling are those of kernels/unified_attention.cu: masked
 // scores are selected to -inf; NaN in a visible key, value, query or bias
@@ -315,12 +323,22 @@ struct StreamProgram {
     hi = min(hi, n_keys);
   }
 
-  // This segment's 16-key steps [b, e) of keys [lo, hi), counted from
-  // base = lo rounded down to 16.
-  __device__ __forceinline__ void seg_steps(int lo, int hi, int& base, int& b, int& e) const {
+  // The segments of a sequence whose keys [lo, hi) span n 16-key steps:
+  // the launch's, or 1 when the launch merges in its programs (arrival
+  // counters) and n is at most `single_segment_steps`. Every program of a
+  // (sequence, KV head, head chunk) group computes the same count.
+  __device__ __forceinline__ int segments_for(int lo, int hi) const {
+    const int n_steps = hi > lo ? (hi - (lo & ~15) + 15) / 16 : 0;
+    const bool single = p.num_segments > 1 && p.ws_counters != nullptr && n_steps <= p.single_segment_steps;
+    return single ? 1 : p.num_segments;
+  }
+
+  // This segment's 16-key steps [b, e) of keys [lo, hi) split into `segs`
+  // segments, counted from base = lo rounded down to 16.
+  __device__ __forceinline__ void seg_steps(int lo, int hi, int segs, int& base, int& b, int& e) const {
     base = lo & ~15;
     const int n_steps = hi > lo ? (hi - base + 15) / 16 : 0;
-    const int sps = (n_steps + S - 1) / S;
+    const int sps = (n_steps + segs - 1) / segs;
     b = min(n_steps, seg * sps);
     e = min(n_steps, b + sps);
   }
@@ -364,7 +382,8 @@ struct StreamProgram {
 
   // The program's sequence, its rows and keys, its segment's steps; false
   // when the program has nothing to do (its sequence belongs to the other
-  // launch of a mixed batch, or there is none).
+  // launch of a mixed batch, or there is none, or it runs unsplit and this
+  // is not its first segment).
   __device__ __forceinline__ bool locate(bool& q_loaded) {
     q_loaded = false;
     if (seq >= p.num_seqs) return false;
@@ -376,10 +395,13 @@ struct StreamProgram {
     if (p.seq_len_hint > 0) {
       int lo, hi, cl, ch, b, e, base;
       key_span(p.seq_len_hint, 1, lo, hi, cl, ch);
-      seg_steps(lo, hi, base, b, e);
-      load_entries(base, b, e);
-      h_begin = base + 16 * b;
-      h_end = base + 16 * e;
+      const int segs = segments_for(lo, hi);
+      if (seg < segs) {
+        seg_steps(lo, hi, segs, base, b, e);
+        load_entries(base, b, e);
+        h_begin = base + 16 * b;
+        h_end = base + 16 * e;
+      }
     }
     const uint32_t cu0 = p.cu_seqlens_q[seq], cu1 = p.cu_seqlens_q[seq + 1];
     const uint32_t n_keys = p.seq_lens[seq];
@@ -394,7 +416,12 @@ struct StreamProgram {
     ranges = p.prefix_ranges ? p.prefix_ranges + (size_t)seq * p.max_ranges * 2 : nullptr;
     nr = ranges ? p.max_ranges : 0;
     key_span(seq_len, q_len, k_lo, k_hi, c_lo, c_hi);
-    seg_steps(k_lo, k_hi, k_base, st_begin, st_end);
+    // A sequence short enough to run unsplit: segment 0's program does it
+    // all and writes the output; the others of its group have nothing to
+    // do (no partials, no arrival: its counter stays 0).
+    S = segments_for(k_lo, k_hi);
+    if (seg >= S) return false;
+    seg_steps(k_lo, k_hi, S, k_base, st_begin, st_end);
     nw = st_end - st_begin > warp ? (st_end - st_begin - warp + 3) / 4 : 0;
     // The hinted entries serve when the real segment starts at the same key
     // and ends no later (its steps are then a prefix of the hinted ones).
@@ -911,7 +938,9 @@ __device__ __forceinline__ void stream_body(const AttnParams& p) {
   Prog prog(p);
   bool q_loaded;
   if (!prog.locate(q_loaded)) return;
-  const bool split = p.num_segments > 1;
+  // The sequence's segments (`locate` may have made a split launch's
+  // short sequence unsplit).
+  const bool split = prog.S > 1;
   if (split && prog.st_begin >= prog.st_end) {
     prog.store_empty_partials();
   } else {

@@ -29,16 +29,24 @@ import json
 import re
 import sys
 
+MATMUL = r"skinny_matmul|skinny_mma|gemm|gemv|xmma|cutlass|sm90_|splitKreduce|nvjet"
 # (class, pattern on the kernel's base name, runs once per decoder layer)
 CLASSES = [
     ("attention (paged, split-KV merge/reduce)", r"unified_attention|reduce_segments", True),
     ("KV store + rotary", r"reshape_and_cache|rotary|rope", True),
-    ("RMS norm (+ residual add)", r"rms_norm", True),
+    ("RMS norm (+ residual add)", r"add_rms_norm", True),
+    # A plain norm: the first layer's input norm, once per step.
+    ("RMS norm (+ residual add)", r"rms_norm", False),
     ("gated activation (SiLU x up)", r"silu_mul|gelu_tanh_mul", True),
-    ("matmul (cuBLAS, skinny_matmul)", r"skinny_matmul|gemm|gemv|xmma|cutlass|sm90_|splitKreduce|nvjet", True),
-    ("copies / casts / elementwise", r"copy|cast|affine|fill|binary|unary|badd|bmul|bsub|bdiv|where|index|gather|embed", False),
-    ("argmax / sampling", r"argmax|max|reduce|softmax|sample", False),
+    ("matmul (cuBLAS, skinny kernels)", MATMUL, True),
+    ("copies / casts / elementwise",
+     r"copy|cast|affine|fill|binary|unary|badd|bmul|bsub|bdiv|where|index|gather|embed|^is_u32|^is_i64|^ucos|^usin",
+     False),
+    ("argmax / sampling", r"argmax|max|reduce|softmax|sample|greedy", False),
 ]
+# The last matmul of a step is the LM head, which runs once per step (not
+# per layer).
+LM_HEAD = "LM head (the step's last matmul)"
 
 
 def num(s):
@@ -108,8 +116,10 @@ def main():
     step = last_step(read(a.csv), a.min_kernels)
     bw = a.bandwidth_gbs * 1e9
     by = {}
-    for k in step:
-        cls, per_layer = classify(k["name"])
+    matmuls = [i for i, k in enumerate(step) if re.search(MATMUL, k["name"], re.IGNORECASE)]
+    lm_head = matmuls[-1] if matmuls else None
+    for i, k in enumerate(step):
+        cls, per_layer = (LM_HEAD, False) if i == lm_head else classify(k["name"])
         f = scale if per_layer else 1.0
         e = by.setdefault(cls, {"class": cls, "kernels": 0.0, "us": 0.0, "bytes": 0.0, "names": set()})
         e["kernels"] += f

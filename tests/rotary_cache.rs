@@ -62,6 +62,8 @@ struct Case {
 #[case::decode(Case { tokens: 3, heads: 9, kv_heads: 3, head: 64, blocks: 5, block_size: 16 })]
 #[case::prefill(Case { tokens: 37, heads: 8, kv_heads: 2, head: 128, blocks: 7, block_size: 16 })]
 #[case::odd(Case { tokens: 5, heads: 3, kv_heads: 1, head: 6, blocks: 3, block_size: 3 })]
+// Wider than a program's threads: each thread rotates several pairs.
+#[case::wide(Case { tokens: 4, heads: 4, kv_heads: 2, head: 256, blocks: 2, block_size: 16 })]
 fn matches_reference(
     #[case] c: Case,
     #[values(DType::F32, DType::BF16, DType::F16)] dtype: DType,

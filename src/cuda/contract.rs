@@ -65,10 +65,17 @@ pub(crate) struct AttnParams {
     /// Stream decode: 1 when every sequence has one new token (its query
     /// row is its index), so programs load queries before the lengths.
     pub(crate) decode_only: i32,
+    /// Stream decode with arrival counters: a sequence whose keys span at
+    /// most this many 16-key steps runs unsplit, its first segment's
+    /// program writing the output and the others idle (0: every sequence
+    /// takes the launch's `num_segments`).
+    pub(crate) single_segment_steps: i32,
+    /// 0; keeps the size a multiple of 8.
+    pub(crate) reserved: i32,
 }
 
 /// Bytes of `cpa::AttnParams`; kernels/attention_params.cuh asserts the same.
-pub(crate) const ATTN_PARAMS_BYTES: usize = 224;
+pub(crate) const ATTN_PARAMS_BYTES: usize = 232;
 const _: () = assert!(std::mem::size_of::<AttnParams>() == ATTN_PARAMS_BYTES);
 
 // SAFETY: a `#[repr(C)]` block of integers and floats whose layout matches
@@ -80,7 +87,7 @@ unsafe impl DeviceRepr for AttnParams {}
 /// `(field, byte offset)` of every field of [`AttnParams`], in order (what
 /// the header's `offsetof` assertions are compared with).
 #[cfg(test)]
-pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 41] = [
+pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 43] = [
     ("q", offset_of!(AttnParams, q)),
     ("k_cache", offset_of!(AttnParams, k_cache)),
     ("v_cache", offset_of!(AttnParams, v_cache)),
@@ -125,6 +132,11 @@ pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 41] = [
     ("out_inv_scale", offset_of!(AttnParams, out_inv_scale)),
     ("seq_len_hint", offset_of!(AttnParams, seq_len_hint)),
     ("decode_only", offset_of!(AttnParams, decode_only)),
+    (
+        "single_segment_steps",
+        offset_of!(AttnParams, single_segment_steps),
+    ),
+    ("reserved", offset_of!(AttnParams, reserved)),
 ];
 
 #[cfg(test)]

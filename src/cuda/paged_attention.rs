@@ -402,6 +402,8 @@ fn gather_params<'a>(
         seq_programs: 0,
         seq_len_hint: 0,
         decode_only: 0,
+        single_segment_steps: 0,
+        reserved: 0,
         scale: params.scale * kv_scales.k_scale,
         softcap: params.active_softcap().unwrap_or(0.0),
         v_scale: kv_scales.v_scale,
@@ -590,6 +592,7 @@ fn launch_each(
         p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
         p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
         p.num_segments = part.segments as i32;
+        p.single_segment_steps = part.single_segment_steps.min(i32::MAX as usize) as i32;
         p.seq_programs = matches!(part.kind, Kind::Decode | Kind::Stream) as i32;
         // Stream decode: what its programs may load before the lengths arrive.
         p.decode_only =

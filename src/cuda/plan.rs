@@ -60,6 +60,11 @@ pub(super) struct Part {
     pub(super) grid_x: usize,
     pub(super) q_len_min: usize,
     pub(super) q_len_max: usize,
+    /// Stream decode merged in the launch: sequences whose keys span at
+    /// most this many 16-key steps run unsplit, decided by the programs
+    /// from the sequence's length (0: every sequence takes `segments`;
+    /// see `LaunchPolicy::single_segment_keys`).
+    pub(super) single_segment_steps: usize,
 }
 
 /// How one call is launched: one part, or two for a batch that mixes
@@ -129,6 +134,7 @@ fn part(
         grid_x,
         q_len_min: q_lens.0,
         q_len_max: q_lens.1,
+        single_segment_steps: 0,
     }
 }
 
@@ -400,6 +406,15 @@ pub(super) fn plan(
         for p in parts.iter_mut().flatten() {
             if matches!(p.kind, Kind::Decode | Kind::Stream) {
                 p.merge = merge;
+            }
+        }
+    }
+    // Splits the planner chose (not a forced count) of stream-decode parts
+    // that merge in their launch: short sequences run unsplit.
+    if matches!(params.kv_split, KvSplit::Auto | KvSplit::AutoUpTo(_)) {
+        for p in parts.iter_mut().flatten() {
+            if p.kind == Kind::Stream && p.segments > 1 && p.merge == Merge::InLaunch {
+                p.single_segment_steps = policy.single_segment_keys / 16;
             }
         }
     }
@@ -953,6 +968,49 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn planner_splits_of_stream_decode_run_short_sequences_unsplit() {
+        use super::super::policy::SINGLE_SEGMENT_KEYS;
+        let policy = LaunchPolicy::default();
+        let steps = |split: KvSplit, policy: &LaunchPolicy| {
+            let (q, params) = call(128, false, &[(1, 8192); 4]);
+            let params = params.with_kv_split(split);
+            let d = plan_with(&q, &params, &HOPPER, policy).parts[0].expect("decode part");
+            (d.kind, d.segments > 1, d.single_segment_steps)
+        };
+        let default_steps = SINGLE_SEGMENT_KEYS / 16;
+        // The planner's splits (for the lengths, or for a graph's longest).
+        assert_eq!(
+            steps(KvSplit::Auto, &policy),
+            (Kind::Stream, true, default_steps)
+        );
+        assert_eq!(
+            steps(KvSplit::AutoUpTo(8192), &policy),
+            (Kind::Stream, true, default_steps)
+        );
+        // A forced count is every sequence's, and so is a merge by the
+        // reduce launch (which reads every segment's partials).
+        assert_eq!(
+            steps(KvSplit::Segments(4), &policy),
+            (Kind::Stream, true, 0)
+        );
+        let reduce = LaunchPolicy {
+            split_merge: Some(Merge::Reduce),
+            ..policy
+        };
+        assert_eq!(steps(KvSplit::Auto, &reduce), (Kind::Stream, true, 0));
+        let off = LaunchPolicy {
+            single_segment_keys: 0,
+            ..policy
+        };
+        assert_eq!(steps(KvSplit::Auto, &off), (Kind::Stream, true, 0));
+        let wide = LaunchPolicy {
+            single_segment_keys: 1000,
+            ..policy
+        };
+        assert_eq!(steps(KvSplit::Auto, &wide), (Kind::Stream, true, 62));
     }
 
     #[test]

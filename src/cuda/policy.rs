@@ -14,6 +14,7 @@
 //! | `CANDLE_PAGED_ATTENTION_SPLIT_MERGE` | `launch`, `reduce`, else by kernel | [`split_merge`](LaunchPolicy::split_merge) |
 //! | `CANDLE_PAGED_ATTENTION_OVERLAP` | `0`, `decode-first`, else prefill first | [`overlap`](LaunchPolicy::overlap) |
 //! | `CANDLE_PAGED_ATTENTION_SKINNY_KERNEL` | `fma`, else `mma` | [`skinny`](LaunchPolicy::skinny) |
+//! | `CANDLE_PAGED_ATTENTION_SINGLE_SEGMENT_KEYS` | a key count, else 256 | [`single_segment_keys`](LaunchPolicy::single_segment_keys) |
 //!
 //! A leaf of the CUDA modules: imports nothing of the crate.
 
@@ -102,7 +103,17 @@ pub(crate) struct LaunchPolicy {
     pub(crate) overlap: Overlap,
     /// The skinny matmul's kernel.
     pub(crate) skinny: SkinnyKernel,
+    /// A stream-decode part split by the planner (`KvSplit::Auto` or
+    /// `AutoUpTo`) and merged in its launch runs each sequence whose keys
+    /// span at most this many keys unsplit, decided on the device from the
+    /// sequence's length (0: never). A CUDA-graph step plans its split for
+    /// the longest sequence the graph may see; short sequences then skip
+    /// the partials and their merge.
+    pub(crate) single_segment_keys: usize,
 }
+
+/// The default of [`LaunchPolicy::single_segment_keys`].
+pub(crate) const SINGLE_SEGMENT_KEYS: usize = 256;
 
 impl Default for LaunchPolicy {
     /// Every switch unset.
@@ -146,6 +157,9 @@ impl LaunchPolicy {
                 Some("fma") => SkinnyKernel::Fma,
                 _ => SkinnyKernel::Mma,
             },
+            single_segment_keys: get("SINGLE_SEGMENT_KEYS")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(SINGLE_SEGMENT_KEYS),
         }
     }
 
@@ -182,6 +196,7 @@ mod tests {
                 split_merge: None,
                 overlap: Overlap::PrefillFirst,
                 skinny: SkinnyKernel::Mma,
+                single_segment_keys: SINGLE_SEGMENT_KEYS,
             }
         );
         assert_eq!(with(&[("STREAM", "0")]).stream, StreamMode::Off);
@@ -205,6 +220,11 @@ mod tests {
             Overlap::DecodeFirst
         );
         assert_eq!(with(&[("SKINNY_KERNEL", "fma")]).skinny, SkinnyKernel::Fma);
+        assert_eq!(with(&[("SINGLE_SEGMENT_KEYS", "0")]).single_segment_keys, 0);
+        assert_eq!(
+            with(&[("SINGLE_SEGMENT_KEYS", "512")]).single_segment_keys,
+            512
+        );
     }
 
     #[test]
@@ -217,6 +237,7 @@ mod tests {
             ("SPLIT_MERGE", "both"),
             ("OVERLAP", "2"),
             ("SKINNY_KERNEL", "wmma"),
+            ("SINGLE_SEGMENT_KEYS", "-1"),
         ]);
         assert_eq!(odd, LaunchPolicy::default());
     }

@@ -15,8 +15,12 @@ use super::buffers::{alloc_uninit, float_name};
 use super::{cuda_storage, device_address, fill_nan, function, poison_outputs, CACHE_MODULE};
 use crate::params::KvScales;
 
-/// Threads of a program (one per token).
-const THREADS: u32 = 128;
+/// Threads of a program (one per token and head slot): one rotated pair
+/// each at head size 128, two value elements.
+const THREADS: u32 = 64;
+
+/// The most programs along a launch's y dimension (head slots per token).
+const MAX_GRID_Y: u32 = 65_535;
 
 /// What the rotation needs besides the operands.
 #[derive(Clone, Copy, Debug)]
@@ -167,8 +171,19 @@ fn launch(
     let grid = u32::try_from(n).map_err(|_| {
         candle_core::Error::Msg(format!("{op}: {n} tokens is too many for one launch"))
     })?;
+    // One program per (token, head slot): query, key, then value heads.
+    let slots_per_token = rot.heads + 2 * kv_heads;
+    let head_slots = u32::try_from(slots_per_token)
+        .ok()
+        .filter(|&s| s <= MAX_GRID_Y)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{op}: {} heads and 2 x {kv_heads} kv heads exceed {MAX_GRID_Y} programs per token",
+                rot.heads
+            ))
+        })?;
     let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
+        grid_dim: (grid, head_slots, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
