@@ -101,7 +101,8 @@ pub use metadata::{AttentionMetadata, GraphMode, LayerBatch, WindowGroup};
 pub use ops::greedy::{greedy_tokens, GreedyTokens};
 pub use ops::layer_ops::{add_rms_norm, gated_activation, rms_norm};
 pub use ops::linear::{
-    linear, skinny_matmul, SkinnyMatmul, SKINNY_LINEAR_ROWS, SKINNY_MATMUL_ENV, SKINNY_MAX_ROWS,
+    gated_linear, linear, skinny_gated_matmul, skinny_matmul, SkinnyGated, SkinnyMatmul,
+    SKINNY_GATED_ENV, SKINNY_LINEAR_ROWS, SKINNY_MATMUL_ENV, SKINNY_MAX_ROWS,
 };
 #[cfg(feature = "cuda")]
 pub use ops::paged_attention::cuda_launch_plan;

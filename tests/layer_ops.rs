@@ -1,5 +1,6 @@
 //! The fused layer ops (`rms_norm`, `add_rms_norm`, `gated_activation`)
-//! and the linear layers' matmul (`skinny_matmul`, `linear`) against an f64
+//! and the linear layers' matmul (`skinny_matmul`, `linear`, and their
+//! gated forms `skinny_gated_matmul`, `gated_linear`) against an f64
 //! reference computed here from the inputs, on the CPU and,
 //! with the `cuda` feature, on the GPU (run with
 //! `CANDLE_PAGED_ATTENTION_POISON=1` there so that an element a kernel
@@ -8,8 +9,8 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_paged_attention::{
-    add_rms_norm, gated_activation, greedy_tokens, linear, rms_norm, skinny_matmul,
-    GatedActivation, SKINNY_MAX_ROWS,
+    add_rms_norm, gated_activation, gated_linear, greedy_tokens, linear, rms_norm,
+    skinny_gated_matmul, skinny_matmul, GatedActivation, SKINNY_MAX_ROWS,
 };
 use rstest::rstest;
 
@@ -534,5 +535,116 @@ fn skinny_matmul_rows_do_not_depend_on_the_other_rows() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// Bit patterns of `t` (as f32, which holds every f16/bf16 value exactly):
+/// equal patterns, NaN included, compare equal.
+fn bits(t: &Tensor) -> Result<Vec<u32>> {
+    Ok(t.to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .map(|v| v.to_bits())
+        .collect())
+}
+
+#[rstest]
+fn skinny_gated_matmul_is_the_product_then_the_activation(
+    #[values(DType::BF16, DType::F16)] dtype: DType,
+    #[values(GatedActivation::Silu, GatedActivation::GeluTanh)] act: GatedActivation,
+    #[values(1, 2, 3, 5, 8)] m: usize,
+    #[values((1, 8), (3, 24), (257, 264), (1000, 4096), (33, 14336))] nk: (usize, usize),
+) -> Result<()> {
+    // n gate rows and n up rows; odd n leaves a program's last rows empty.
+    // x at a quarter of unit scale: gate times up stays within f16's range.
+    let (n, k) = nk;
+    for dev in devices()? {
+        let x = Tensor::randn(0f32, 0.25, (m + 1, k), &dev)?
+            .to_dtype(dtype)?
+            .narrow(0, 1, m)?;
+        let w = Tensor::randn(0f32, 1., (2 * n * k + 8,), &dev)?
+            .to_dtype(dtype)?
+            .narrow(0, 8, 2 * n * k)?
+            .reshape((2 * n, k))?;
+        let want = gated_activation(&skinny_matmul(&x, &w)?, act, dtype)?;
+        let got = skinny_gated_matmul(&x, &w, act)?;
+        assert_eq!((got.dims(), got.dtype()), (&[m, n][..], dtype));
+        assert!(
+            bits(&got)? == bits(&want)?,
+            "skinny_gated_matmul {dev:?} {dtype:?} {act:?} m {m} n {n} k {k}: differs from the product then the activation"
+        );
+        // And against the f64 reference of both halves, within rounding.
+        let (xv, wv) = (values(&x)?, values(&w)?);
+        let joined = ref_matmul(&xv, &wv, (m, 2 * n, k));
+        let gv = values(&got)?;
+        for r in 0..m {
+            for c in 0..n {
+                let (g, u) = (joined[r * 2 * n + c], joined[r * 2 * n + n + c]);
+                let want = ref_act(act, g) * u;
+                let tol =
+                    tolerance(dtype, want.abs(), 0) + (g.abs() + u.abs()) * 1e-2 * (1. + u.abs());
+                let v = gv[r * n + c];
+                assert!((v - want).abs() <= tol, "{dev:?} ({r}, {c}): {v} vs {want}");
+            }
+        }
+        // `gated_linear` is `linear` then the activation (on CUDA, at these
+        // row counts, the fused kernel: the same bits).
+        let via = gated_activation(&linear(&x, &w, None)?, act, dtype)?;
+        assert!(
+            bits(&gated_linear(&x, &w, None, act)?)? == bits(&via)?,
+            "{dev:?} gated_linear"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn skinny_gated_matmul_propagates_nan_to_its_row_and_column_only() -> Result<()> {
+    for dev in devices()? {
+        let (m, n, k) = (3, 5, 16);
+        let mut x = vec![1f32; m * k];
+        x[k + 3] = f32::NAN; // row 1
+        let mut w = vec![0.0625f32; 2 * n * k];
+        w[(n + 2) * k + 7] = f32::INFINITY; // up row of column 2
+        let x = Tensor::from_vec(x, (m, k), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::from_vec(w, (2 * n, k), &dev)?.to_dtype(DType::BF16)?;
+        let y = values(&skinny_gated_matmul(&x, &w, GatedActivation::Silu)?)?;
+        let silu1 = 1. / (1. + (-1f64).exp());
+        for r in 0..m {
+            for c in 0..n {
+                let v = y[r * n + c];
+                match (r, c) {
+                    (1, _) => assert!(v.is_nan(), "{dev:?} ({r}, {c}): {v}"),
+                    (_, 2) => assert_eq!(v, f64::INFINITY, "{dev:?} ({r}, {c})"),
+                    _ => assert!((v - silu1).abs() < 1e-2, "{dev:?} ({r}, {c}): {v}"),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn skinny_gated_matmul_rejects_bad_calls_naming_the_op() -> Result<()> {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 16), DType::BF16, &dev)?;
+    let act = GatedActivation::Silu;
+    let err =
+        skinny_gated_matmul(&x, &Tensor::zeros((5, 16), DType::BF16, &dev)?, act).unwrap_err();
+    assert!(
+        err.to_string().contains("skinny-gated-matmul")
+            && err.to_string().contains("odd row count"),
+        "{err}"
+    );
+    let err = skinny_gated_matmul(
+        &Tensor::zeros((9, 16), DType::BF16, &dev)?,
+        &Tensor::zeros((4, 16), DType::BF16, &dev)?,
+        act,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("1 to 8 rows, got 9"), "{err}");
+    let err = skinny_gated_matmul(&x, &Tensor::zeros((4, 16), DType::F16, &dev)?, act).unwrap_err();
+    assert!(err.to_string().contains("like x"), "{err}");
     Ok(())
 }

@@ -270,6 +270,80 @@ pub(crate) fn skinny_matmul(
     Ok(out)
 }
 
+/// `act(x · gateᵀ) * (x · upᵀ)` of `x` `(m, k)` and a joined gate/up weight
+/// `w` `(2 n, k)` (its `n` gate rows, then its `n` up rows), both
+/// contiguous, of one 16-bit dtype, under [`skinny_matmul`]'s conditions on
+/// `m`, `k` and alignment. Returns `(m, n)` of that dtype, bit for bit the
+/// skinny product followed by [`gated`]: `skinny_mma_{act}_{t}`, one program
+/// per 8 outputs (8 gate rows and their up rows as one tile).
+pub(crate) fn skinny_gated(
+    op: &str,
+    act: GatedActivation,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    (m, n, k): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let dtype = x.0.dtype();
+    let t = match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        dt => bail!("{op}: x must be bf16 or f16, got {dt:?}"),
+    };
+    if w.0.dtype() != dtype {
+        bail!("{op}: w must be {dtype:?} like x, got {:?}", w.0.dtype());
+    }
+    contiguous(op, "x", x.1)?;
+    contiguous(op, "w", w.1)?;
+    if !(1..=SKINNY_MAX_ROWS).contains(&m) || k == 0 || !k.is_multiple_of(8) {
+        bail!(
+            "{op}: takes 1 to {SKINNY_MAX_ROWS} rows of a positive multiple of 8 columns, got {m} x {k}"
+        );
+    }
+    let dev = x.0.device().clone();
+    let stream = dev.cuda_stream();
+    let out = alloc_poisoned(op, &dev, dtype, m * n)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let name = match act {
+        GatedActivation::Silu => format!("skinny_mma_silu_{t}"),
+        GatedActivation::GeluTanh => format!("skinny_mma_gelu_tanh_{t}"),
+    };
+    let func = function(&dev, &name, &LAYER_MODULE, 0)?;
+    // The guards end with this block, before `out` is returned.
+    {
+        let (x_addr, _x_sync) = device_address(x.0, x.1, &stream);
+        let (w_addr, _w_sync) = device_address(w.0, w.1, &stream);
+        let (y_addr, _y_sync) = device_address(&out, &Layout::contiguous(m * n), &stream);
+        if !x_addr.is_multiple_of(16) || !w_addr.is_multiple_of(16) {
+            bail!("{op}: x and w must start 16-byte aligned (x at {x_addr:#x}, w at {w_addr:#x})");
+        }
+        let (Ok(n_i), Ok(k_i)) = (i64::try_from(n), i64::try_from(k)) else {
+            bail!("{op}: {n} x {k} does not fit 64-bit offsets");
+        };
+        let m_i = m as i32; // <= SKINNY_MAX_ROWS
+        let cfg = LaunchConfig {
+            grid_dim: (grid(op, n.div_ceil(SKINNY_MMA_ROWS / 2))?, 1, 1),
+            block_dim: (SKINNY_MMA_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&func);
+        b.arg(&x_addr);
+        b.arg(&w_addr);
+        b.arg(&y_addr);
+        b.arg(&m_i);
+        b.arg(&n_i);
+        b.arg(&k_i);
+        // SAFETY: `x` holds m * k, `w` 2 n * k and `out` m * n elements of
+        // the kernel's type, x and w 16-byte aligned with k % 8 == 0
+        // (checked above and by the op); the kernel reads gate rows below n
+        // and up rows below 2 n only. The guards keep the buffers alive and
+        // ordered past the launch.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(out)
+}
+
 /// The greedy token of each row of `logits` `(rows, vocab)` f32 (contiguous)
 /// and whether the row is finite: `(rows, 2)` u32 of `[token, finite]`.
 pub(crate) fn greedy_rows(

@@ -157,6 +157,14 @@ impl FusedLinear {
         crate::ops::linear::linear(x, self.linear.weight(), self.linear.bias())
     }
 
+    /// `x` `(num_tokens, in_dim)` -> `act(gate) * up` `(num_tokens, out_dim)`
+    /// of a gate/up pair of equal widths (gate first), through
+    /// [`crate::gated_linear`]: on CUDA a product of a few rows and the
+    /// activation in one kernel.
+    pub(crate) fn forward_gated(&self, x: &Tensor, act: crate::GatedActivation) -> Result<Tensor> {
+        crate::gated_linear(x, self.linear.weight(), self.linear.bias(), act)
+    }
+
     /// `x` `(num_tokens, in_dim)` -> one `(num_tokens, out_dim)` view per
     /// projection (columns of one matmul's output, not contiguous); `N` is
     /// the number of projections loaded.
@@ -247,6 +255,7 @@ impl Module for GatedMlp {
             _ => None,
         };
         let h = match fused {
+            Some(act) if x.device().is_cuda() => self.gate_up.forward_gated(x, act)?,
             Some(act) => gated(&self.gate_up.forward_joined(x)?, act, x.dtype())?,
             None => {
                 let [gate, up] = self.gate_up.forward(x)?;

@@ -4,12 +4,16 @@
 //! kernels read the weights slower. [`skinny_matmul`] itself takes up to
 //! [`SKINNY_MAX_ROWS`].
 //!
-//! Owns `linear`, `skinny_matmul` and the `SkinnyMatmul` op: checks on the
-//! host, then the CPU or CUDA backend.
+//! Owns `linear`, `skinny_matmul` and the `SkinnyMatmul` op, and their
+//! gated forms for a joined gate/up weight (`gated_linear`,
+//! `skinny_gated_matmul`, the `SkinnyGated` op): checks on the host, then
+//! the CPU or CUDA backend.
 
 use std::sync::OnceLock;
 
 use candle_core::{bail, CpuStorage, DType, Layout, Module, Result, Shape, Tensor};
+
+use crate::params::GatedActivation;
 
 const OP: &str = "skinny-matmul";
 
@@ -45,12 +49,12 @@ fn skinny_rows() -> usize {
 
 /// `(m, n, k)` of `x` `(m, k)` and `w` `(n, k)`, or an error naming both
 /// shapes.
-fn mnk(x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
+fn mnk(op: &str, x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
     let (&[m, k], &[n, wk]) = (x, w) else {
-        bail!("{OP}: x must be (m, k) and w (n, k), got {x:?} and {w:?}");
+        bail!("{op}: x must be (m, k) and w (n, k), got {x:?} and {w:?}");
     };
     if wk != k {
-        bail!("{OP}: w {w:?} does not match x {x:?}: k differs");
+        bail!("{op}: w {w:?} does not match x {x:?}: k differs");
     }
     Ok((m, n, k))
 }
@@ -72,7 +76,7 @@ impl candle_core::CustomOp2 for SkinnyMatmul {
         w: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (m, n, k) = mnk(xl.dims(), wl.dims())?;
+        let (m, n, k) = mnk(OP, xl.dims(), wl.dims())?;
         let out = crate::cpu::layer_ops::skinny_matmul(OP, (x, xl), (w, wl), (m, n, k))?;
         Ok((out, Shape::from((m, n))))
     }
@@ -85,7 +89,7 @@ impl candle_core::CustomOp2 for SkinnyMatmul {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (m, n, k) = mnk(xl.dims(), wl.dims())?;
+        let (m, n, k) = mnk(OP, xl.dims(), wl.dims())?;
         let out = crate::cuda::layer_ops::skinny_matmul(OP, (x, xl), (w, wl), (m, n, k))?;
         Ok((out, Shape::from((m, n))))
     }
@@ -103,7 +107,7 @@ impl candle_core::CustomOp2 for SkinnyMatmul {
 ///
 /// Returns `(m, n)` of x's dtype.
 pub fn skinny_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (m, _, k) = mnk(x.dims(), w.dims())?;
+    let (m, _, k) = mnk(OP, x.dims(), w.dims())?;
     if !(1..=SKINNY_MAX_ROWS).contains(&m) {
         bail!("{OP}: x must have 1 to {SKINNY_MAX_ROWS} rows, got {m}");
     }
@@ -168,6 +172,151 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
+/// The environment variable that turns the fused gate/up product of
+/// [`gated_linear`] off (`0`: the product, then [`crate::gated_activation`]),
+/// read once.
+pub const SKINNY_GATED_ENV: &str = "CANDLE_PAGED_ATTENTION_SKINNY_GATED";
+
+/// Whether [`gated_linear`] may fuse the activation into the skinny product
+/// in this process ([`SKINNY_GATED_ENV`]).
+fn skinny_gated_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var(SKINNY_GATED_ENV).as_deref() != Ok("0"))
+}
+
+/// `(m, n, k)` of `x` `(m, k)` and a joined gate/up weight `w` `(2 n, k)`,
+/// or an error naming both shapes.
+fn gated_mnk(x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
+    let (m, rows, k) = mnk(GATED_OP, x, w)?;
+    if !rows.is_multiple_of(2) {
+        bail!("{GATED_OP}: w {w:?} has an odd row count; a joined gate/up weight has 2 n rows");
+    }
+    Ok((m, rows / 2, k))
+}
+
+const GATED_OP: &str = "skinny-gated-matmul";
+
+/// [`skinny_gated_matmul`]'s op: `x` `(m, k)` and a joined gate/up weight
+/// `w` `(2 n, k)` of one dtype give `act(x · gateᵀ) * (x · upᵀ)`,
+/// `(m, n)` of that dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct SkinnyGated {
+    /// The activation of the gate.
+    pub act: GatedActivation,
+}
+
+impl candle_core::CustomOp2 for SkinnyGated {
+    fn name(&self) -> &'static str {
+        GATED_OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, n, k) = gated_mnk(xl.dims(), wl.dims())?;
+        let joined =
+            crate::cpu::layer_ops::skinny_matmul(GATED_OP, (x, xl), (w, wl), (m, 2 * n, k))?;
+        let jl = Layout::contiguous((m, 2 * n));
+        let out = crate::cpu::layer_ops::gated(
+            GATED_OP,
+            self.act,
+            (&joined, &jl),
+            n,
+            candle_core::backend::BackendStorage::dtype(x),
+        )?;
+        Ok((out, Shape::from((m, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (m, n, k) = gated_mnk(xl.dims(), wl.dims())?;
+        let out =
+            crate::cuda::layer_ops::skinny_gated(GATED_OP, self.act, (x, xl), (w, wl), (m, n, k))?;
+        Ok((out, Shape::from((m, n))))
+    }
+}
+
+/// `act(x · gateᵀ) * (x · upᵀ)` for a few rows of `x` and a joined gate/up
+/// weight: on CUDA one kernel (each program holds 8 gate rows and their
+/// up rows), bit for bit [`skinny_matmul`] followed by
+/// [`crate::gated_activation`]; on the CPU those two.
+///
+/// # Arguments
+/// * `x` - `(m, k)`, as for [`skinny_matmul`].
+/// * `w` - `(2 n, k)`, x's dtype: the `n` gate rows, then the `n` up rows.
+/// * `act` - the gate's activation.
+///
+/// Returns `(m, n)` of x's dtype.
+pub fn skinny_gated_matmul(x: &Tensor, w: &Tensor, act: GatedActivation) -> Result<Tensor> {
+    let (m, _, k) = gated_mnk(x.dims(), w.dims())?;
+    if !(1..=SKINNY_MAX_ROWS).contains(&m) {
+        bail!("{GATED_OP}: x must have 1 to {SKINNY_MAX_ROWS} rows, got {m}");
+    }
+    if x.dtype() != w.dtype() {
+        bail!(
+            "{GATED_OP}: w must be {:?} like x, got {:?}",
+            x.dtype(),
+            w.dtype()
+        );
+    }
+    if !x.device().same_device(w.device()) {
+        bail!("{GATED_OP}: x and w are on different devices");
+    }
+    if x.device().is_cuda() && !cuda_fits(x, w) {
+        bail!(
+            "{GATED_OP}: on CUDA, x and w must be bf16 or f16 with k a positive multiple of 8 and 8-element aligned starts, got {:?} with k = {k}",
+            x.dtype()
+        );
+    }
+    x.contiguous()?
+        .apply_op2_no_bwd(&w.contiguous()?, &SkinnyGated { act })
+}
+
+/// A gated MLP's first half: `act(gate) * up` of `x · wᵀ + b` for a joined
+/// gate/up weight, as [`linear`] then [`crate::gated_activation`] compute
+/// it, except that on CUDA a bias-free product that [`linear`] would run
+/// through [`skinny_matmul`] runs as [`skinny_gated_matmul`], one kernel
+/// (unless [`SKINNY_GATED_ENV`] is `0`).
+///
+/// # Arguments
+/// * `x` - `(m, k)`.
+/// * `w` - `(2 n, k)`, x's dtype: the gate rows, then the up rows.
+/// * `bias` - `(2 n,)`, added before the activation.
+/// * `act` - the gate's activation.
+///
+/// Returns `(m, n)` of x's dtype.
+pub fn gated_linear(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    act: GatedActivation,
+) -> Result<Tensor> {
+    let fused = bias.is_none()
+        && skinny_gated_on()
+        && x.device().is_cuda()
+        && x.rank() == 2
+        && (1..=skinny_rows()).contains(&x.dims()[0])
+        && w.rank() == 2
+        && w.dims()[1] == x.dims()[1]
+        && w.dims()[0].is_multiple_of(2)
+        && w.dtype() == x.dtype()
+        && cuda_fits(x, w);
+    if fused {
+        return skinny_gated_matmul(x, w, act);
+    }
+    crate::gated_activation(&linear(x, w, bias)?, act, x.dtype())
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::Device;
@@ -194,6 +343,40 @@ mod tests {
         assert!(err.to_string().contains("k differs"), "{err}");
         let err = skinny_matmul(&x, &w.to_dtype(DType::BF16)?).unwrap_err();
         assert!(err.to_string().contains("like x"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn gated_on_the_cpu_is_the_product_then_the_activation() -> Result<()> {
+        let dev = Device::Cpu;
+        let (m, n, k) = (3, 5, 24);
+        let x = Tensor::randn(0f32, 1., (m, k), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::randn(0f32, 1., (2 * n, k), &dev)?.to_dtype(DType::BF16)?;
+        for act in [GatedActivation::Silu, GatedActivation::GeluTanh] {
+            let want = crate::gated_activation(&skinny_matmul(&x, &w)?, act, DType::BF16)?;
+            let got = skinny_gated_matmul(&x, &w, act)?;
+            assert_eq!(got.dims(), &[m, n]);
+            let same = got.to_dtype(DType::F32)?.to_vec2::<f32>()?
+                == want.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            assert!(same, "{act:?}");
+            // On the CPU, `gated_linear` is `linear` then the activation.
+            let via = gated_linear(&x, &w, None, act)?;
+            let plain = crate::gated_activation(&linear(&x, &w, None)?, act, DType::BF16)?;
+            assert_eq!(
+                via.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+                plain.to_dtype(DType::F32)?.to_vec2::<f32>()?
+            );
+        }
+        let err = skinny_gated_matmul(&x, &w.narrow(0, 0, 2 * n - 1)?, GatedActivation::Silu)
+            .unwrap_err();
+        assert!(err.to_string().contains("odd row count"), "{err}");
+        let err =
+            skinny_gated_matmul(&x, &w.narrow(1, 0, k - 8)?, GatedActivation::Silu).unwrap_err();
+        assert!(
+            err.to_string().contains("skinny-gated-matmul")
+                && err.to_string().contains("k differs"),
+            "{err}"
+        );
         Ok(())
     }
 
