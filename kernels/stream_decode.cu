@@ -329,8 +329,7 @@ struct StreamProgram {
   // (sequence, KV head, head chunk) group computes the same count.
   __device__ __forceinline__ int segments_for(int lo, int hi) const {
     const int n_steps = hi > lo ? (hi - (lo & ~15) + 15) / 16 : 0;
-    const bool single =
-        p.num_segments > 1 && p.ws_counters != nullptr && p.single_segment_steps > 0 && n_steps <= p.single_segment_steps;
+    const bool single = p.num_segments > 1 && p.ws_counters != nullptr && n_steps <= p.single_segment_steps;
     return single ? 1 : p.num_segments;
   }
 
