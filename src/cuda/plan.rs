@@ -977,6 +977,8 @@ mod tests {
         let steps = |split: KvSplit, policy: &LaunchPolicy| {
             let (q, params) = call(128, false, &[(1, 8192); 4]);
             let params = params.with_kv_split(split);
+            // Cannot fire: a batch of one-token sequences plans exactly one
+            // part, its decode part, first.
             let d = plan_with(&q, &params, &HOPPER, policy).parts[0].expect("decode part");
             (d.kind, d.segments > 1, d.single_segment_steps)
         };

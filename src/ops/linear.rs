@@ -108,27 +108,47 @@ impl candle_core::CustomOp2 for SkinnyMatmul {
 /// Returns `(m, n)` of x's dtype.
 pub fn skinny_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (m, _, k) = mnk(OP, x.dims(), w.dims())?;
+    check_skinny(OP, x, w, m, k)?;
+    x.contiguous()?
+        .apply_op2_no_bwd(&w.contiguous()?, &SkinnyMatmul)
+}
+
+/// The checks [`skinny_matmul`] and [`skinny_gated_matmul`] share, for `x`
+/// `(m, k)` and `w`: the row count, one dtype, one device, and on CUDA the
+/// kernel's dtype, `k` and alignment; errors name `op`.
+fn check_skinny(op: &str, x: &Tensor, w: &Tensor, m: usize, k: usize) -> Result<()> {
     if !(1..=SKINNY_MAX_ROWS).contains(&m) {
-        bail!("{OP}: x must have 1 to {SKINNY_MAX_ROWS} rows, got {m}");
+        bail!("{op}: x must have 1 to {SKINNY_MAX_ROWS} rows, got {m}");
     }
     if x.dtype() != w.dtype() {
         bail!(
-            "{OP}: w must be {:?} like x, got {:?}",
+            "{op}: w must be {:?} like x, got {:?}",
             x.dtype(),
             w.dtype()
         );
     }
     if !x.device().same_device(w.device()) {
-        bail!("{OP}: x and w are on different devices");
+        bail!("{op}: x and w are on different devices");
     }
     if x.device().is_cuda() && !cuda_fits(x, w) {
         bail!(
-            "{OP}: on CUDA, x and w must be bf16 or f16 with k a positive multiple of 8 and 8-element aligned starts, got {:?} with k = {k}",
+            "{op}: on CUDA, x and w must be bf16 or f16 with k a positive multiple of 8 and 8-element aligned starts, got {:?} with k = {k}",
             x.dtype()
         );
     }
-    x.contiguous()?
-        .apply_op2_no_bwd(&w.contiguous()?, &SkinnyMatmul)
+    Ok(())
+}
+
+/// Whether [`linear`] (and [`gated_linear`]) take the skinny kernel for `x`
+/// and `w` on this device, in this process.
+fn takes_skinny(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cuda()
+        && x.rank() == 2
+        && (1..=skinny_rows()).contains(&x.dims()[0])
+        && w.rank() == 2
+        && w.dims()[1] == x.dims()[1]
+        && w.dtype() == x.dtype()
+        && cuda_fits(x, w)
 }
 
 /// Whether the CUDA kernel takes `x` and `w` as they are laid out.
@@ -155,14 +175,7 @@ fn cuda_fits(x: &Tensor, w: &Tensor) -> bool {
 ///
 /// Returns `(..., n)`.
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let skinny = x.device().is_cuda()
-        && x.rank() == 2
-        && (1..=skinny_rows()).contains(&x.dims()[0])
-        && w.rank() == 2
-        && w.dims()[1] == x.dims()[1]
-        && w.dtype() == x.dtype()
-        && cuda_fits(x, w);
-    if !skinny {
+    if !takes_skinny(x, w) {
         return candle_nn::Linear::new(w.clone(), bias.cloned()).forward(x);
     }
     let y = skinny_matmul(x, w)?;
@@ -259,25 +272,7 @@ impl candle_core::CustomOp2 for SkinnyGated {
 /// Returns `(m, n)` of x's dtype.
 pub fn skinny_gated_matmul(x: &Tensor, w: &Tensor, act: GatedActivation) -> Result<Tensor> {
     let (m, _, k) = gated_mnk(x.dims(), w.dims())?;
-    if !(1..=SKINNY_MAX_ROWS).contains(&m) {
-        bail!("{GATED_OP}: x must have 1 to {SKINNY_MAX_ROWS} rows, got {m}");
-    }
-    if x.dtype() != w.dtype() {
-        bail!(
-            "{GATED_OP}: w must be {:?} like x, got {:?}",
-            x.dtype(),
-            w.dtype()
-        );
-    }
-    if !x.device().same_device(w.device()) {
-        bail!("{GATED_OP}: x and w are on different devices");
-    }
-    if x.device().is_cuda() && !cuda_fits(x, w) {
-        bail!(
-            "{GATED_OP}: on CUDA, x and w must be bf16 or f16 with k a positive multiple of 8 and 8-element aligned starts, got {:?} with k = {k}",
-            x.dtype()
-        );
-    }
+    check_skinny(GATED_OP, x, w, m, k)?;
     x.contiguous()?
         .apply_op2_no_bwd(&w.contiguous()?, &SkinnyGated { act })
 }
@@ -301,16 +296,8 @@ pub fn gated_linear(
     bias: Option<&Tensor>,
     act: GatedActivation,
 ) -> Result<Tensor> {
-    let fused = bias.is_none()
-        && skinny_gated_on()
-        && x.device().is_cuda()
-        && x.rank() == 2
-        && (1..=skinny_rows()).contains(&x.dims()[0])
-        && w.rank() == 2
-        && w.dims()[1] == x.dims()[1]
-        && w.dims()[0].is_multiple_of(2)
-        && w.dtype() == x.dtype()
-        && cuda_fits(x, w);
+    let fused =
+        bias.is_none() && skinny_gated_on() && takes_skinny(x, w) && w.dims()[0].is_multiple_of(2);
     if fused {
         return skinny_gated_matmul(x, w, act);
     }
