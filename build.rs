@@ -58,13 +58,15 @@ mod cuda {
         MASS_EXP_TAYLOR, MASS_FRACTION_BITS, MASS_LN2_HI, MASS_LN2_LO, MASS_LOG2_E, MASS_MAX_VOCAB,
         MASS_ZERO_BELOW,
     };
-    use super::tiles::{instances, smem_bytes, Kind, TileInstance, QUERY_DTYPES};
+    use super::tiles::{instances, mixed_instances, smem_bytes, Kind, TileInstance, QUERY_DTYPES};
 
     /// `$OUT_DIR/kernel_contract.cuh`: for every tensor-core instance, the
     /// threads and dynamic shared-memory bytes the launches plan with, as
     /// `cpa_plan_h{head}_{kind}{suffix}[_fp8]_{threads,smem}` constants that
     /// the `CPA_ATTN` macros of kernels/unified_attention.cu and the
-    /// `CPA_STREAM` macros of kernels/stream_decode.cu check; and the
+    /// `CPA_STREAM` macros of kernels/stream_decode.cu check (and
+    /// `cpa_plan_h{head}_mixed{suffix}_*` for the `CPA_MIXED` ones of
+    /// kernels/mixed_attention.cuh); and the
     /// threads per program of the fused layer kernels
     /// (`cpa_norm_threads`, `cpa_act_threads`, `cpa_skinny_*`, from
     /// src/cuda/layer_shapes.rs).
@@ -84,6 +86,11 @@ mod cuda {
                 let smem = smem_bytes(&tile, head, fp8);
                 writeln!(out, "constexpr int {name}_smem = {smem};")?;
             }
+        }
+        for m in mixed_instances() {
+            let name = format!("cpa_plan_h{}_mixed{}", m.head, m.suffix());
+            writeln!(out, "constexpr int {name}_threads = {};", m.threads())?;
+            writeln!(out, "constexpr int {name}_smem = {};", m.smem())?;
         }
         writeln!(out, "constexpr int cpa_norm_threads = {NORM_THREADS};")?;
         writeln!(out, "constexpr int cpa_act_threads = {ACT_THREADS};")?;
@@ -180,6 +187,23 @@ mod cuda {
                         )?;
                     }
                 }
+            }
+        }
+        // The one-launch mixed instances (kernels/mixed_attention.cuh), in
+        // the sm_90a module beside the warpgroup ones.
+        for m in mixed_instances() {
+            let p = m.prefill;
+            let shape = format!(
+                "{}, {}, {}, {}, {}",
+                p.warps_m, p.warps_n, p.keys_per_warp, p.m_tiles, p.stages
+            );
+            let (nr, rows_shape) = (m.stream.m_tiles, m.suffix().trim_start_matches('_'));
+            for (tname, t) in QUERY_DTYPES {
+                writeln!(
+                    wg,
+                    "CPA_MIXED({}, {nr}, {rows_shape}, {shape}, {tname}, {t})",
+                    m.head
+                )?;
             }
         }
         Ok((

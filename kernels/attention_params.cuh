@@ -103,4 +103,25 @@ static_assert(offsetof(AttnParams, decode_only) == 220, "AttnParams.decode_only 
 static_assert(offsetof(AttnParams, single_segment_steps) == 224, "AttnParams.single_segment_steps moved");
 static_assert(offsetof(AttnParams, reserved) == 228, "AttnParams.reserved moved");
 
+// The parameter block of a mixed batch's one launch
+// (kernels/mixed_attention.cuh): each part's `AttnParams` and the grid its
+// programs would have as a launch of their own. Mirrored by `MixedParams`
+// in src/cuda/contract.rs.
+struct MixedParams {
+  AttnParams prefill;     // the prefill part (warpgroup programs of 64 packed rows)
+  AttnParams decode;      // the decode-shaped part (stream-decode programs)
+  int32_t prefill_grid[3];  // (x, y, z) programs of the prefill part
+  int32_t decode_grid[3];   // (x, y, z) programs of the decode part
+  int32_t prefill_first;    // 1: the prefill programs take the launch's first places; 0: spread evenly
+  int32_t reserved;         // 0; keeps the size a multiple of 8
+};
+
+static_assert(sizeof(MixedParams) == 496, "MixedParams size changed");
+static_assert(offsetof(MixedParams, prefill) == 0, "MixedParams.prefill moved");
+static_assert(offsetof(MixedParams, decode) == 232, "MixedParams.decode moved");
+static_assert(offsetof(MixedParams, prefill_grid) == 464, "MixedParams.prefill_grid moved");
+static_assert(offsetof(MixedParams, decode_grid) == 476, "MixedParams.decode_grid moved");
+static_assert(offsetof(MixedParams, prefill_first) == 488, "MixedParams.prefill_first moved");
+static_assert(offsetof(MixedParams, reserved) == 492, "MixedParams.reserved moved");
+
 }  // namespace cpa

@@ -1,5 +1,5 @@
 // Row-level pieces of paged attention shared by kernels/unified_attention.cu
-// and kernels/stream_decode.cu: one row's online-softmax step, the stores of a
+// and kernels/stream_decode.cuh: one row's online-softmax step, the stores of a
 // row's columns (the output of a whole row, or a split-KV partial) and the
 // arrival protocol of the split-KV merge (see "Split KV" at the top of
 // kernels/unified_attention.cu).
@@ -73,16 +73,50 @@ __device__ __forceinline__ void store_partial_cols(const AttnParams& p, int64_t 
   }
 }
 
-// Counts this program into its split group, (blockIdx.x, blockIdx.y), once
-// its partials are stored; true for the last of the group's gridDim.z
-// programs, which then merges. Every thread of the program calls it (two
-// block barriers; `tid` is the thread's index in the program).
-__device__ __forceinline__ bool arrive_last(const AttnParams& p, int tid) {
-  uint32_t* counter = p.ws_counters + (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+// A program's place in the grid of its part: `LaunchGrid` reads the
+// launch's own (blockIdx, gridDim), what a launch of one part uses;
+// `PartGrid` holds a place given by the caller, for the programs of a
+// mixed batch's one launch (kernels/mixed_attention.cuh), whose own grid
+// is flat. The programs read x(), y(), z() and the sizes nx(), ny(), nz().
+struct LaunchGrid {
+  __device__ __forceinline__ unsigned x() const { return blockIdx.x; }
+  __device__ __forceinline__ unsigned y() const { return blockIdx.y; }
+  __device__ __forceinline__ unsigned z() const { return blockIdx.z; }
+  __device__ __forceinline__ unsigned nx() const { return gridDim.x; }
+  __device__ __forceinline__ unsigned ny() const { return gridDim.y; }
+  __device__ __forceinline__ unsigned nz() const { return gridDim.z; }
+};
+
+// Unsigned like blockIdx and gridDim, so that the programs' index
+// arithmetic is the same for both grids.
+struct PartGrid {
+  unsigned px, py, pz, sx, sy, sz;
+  // Place `i` of a grid of sx x sy x sz programs, x fastest (the order in
+  // which a launch numbers its blocks).
+  __device__ __forceinline__ static PartGrid of(int64_t i, int sx, int sy, int sz) {
+    const int64_t plane = (int64_t)sx * sy;
+    return {(unsigned)(i % sx), (unsigned)((i / sx) % sy), (unsigned)(i / plane), (unsigned)sx, (unsigned)sy,
+            (unsigned)sz};
+  }
+  __device__ __forceinline__ unsigned x() const { return px; }
+  __device__ __forceinline__ unsigned y() const { return py; }
+  __device__ __forceinline__ unsigned z() const { return pz; }
+  __device__ __forceinline__ unsigned nx() const { return sx; }
+  __device__ __forceinline__ unsigned ny() const { return sy; }
+  __device__ __forceinline__ unsigned nz() const { return sz; }
+};
+
+// Counts this program into its split group, (x, y) of its part's grid, once
+// its partials are stored; true for the last of the group's nz programs,
+// which then merges. Every thread of the program calls it (two block
+// barriers; `tid` is the thread's index in the program).
+template <class G>
+__device__ __forceinline__ bool arrive_last(const AttnParams& p, int tid, const G& grid) {
+  uint32_t* counter = p.ws_counters + (size_t)grid.y() * grid.nx() + grid.x();
   __threadfence();  // release: this thread's partial stores before the count
   __syncthreads();  // every thread of the program has stored and fenced
   int last = 0;
-  if (tid == 0) last = atomicAdd(counter, 1u) == gridDim.z - 1;
+  if (tid == 0) last = atomicAdd(counter, 1u) == grid.nz() - 1;
   if (!__syncthreads_or(last)) return false;
   __threadfence();  // acquire: the group's partials after its counts
   // Every program of the group has counted: zero for the next launch.

@@ -254,7 +254,7 @@ struct RowInfo {
 // first copies the fields it reads into locals: members are optimised on
 // their own before they are inlined, where such a write might alias a field,
 // and field re-reads there change the code generated for the kernel.
-template <typename T, typename C, class CF>
+template <typename T, typename C, class CF, class G = LaunchGrid>
 struct AttnProgram {
   static constexpr bool FP8 = IsFp8<C>::value;
   static constexpr int HEAD = CF::HEAD, DV = CF::DV, BM = CF::BM, BN = CF::BN, KW = CF::KW;
@@ -290,7 +290,7 @@ struct AttnProgram {
   // ---- block indices ----
   int tid, lane, warp, wm, wn;
   int GE, BLOCK_Q, group, kv_head, hc, seg, dvc;
-  int px;  // the program's query block slot (blockIdx.x, reordered in WG prefill launches)
+  int px;  // the program's query block slot (grid x, reordered in WG prefill launches)
 
   // ---- rows and keys (set by `locate`) ----
   int seq, q_start, q_len, row0, seq_len, context_len, q_first, q_last, window;
@@ -314,7 +314,11 @@ struct AttnProgram {
   ScoreMods mods;  // the score pipeline (kernels/score_mods.cuh)
   bool plain;      // no per-key terms besides the mask
 
-  __device__ __forceinline__ explicit AttnProgram(const AttnParams& params) : p(params), mods(params) {
+  // The program's place in its part's grid (kernels/attention_rows.cuh).
+  G grid;
+
+  __device__ __forceinline__ explicit AttnProgram(const AttnParams& params, const G& grid_ = G())
+      : p(params), mods(params), grid(grid_) {
     extern __shared__ __align__(16) unsigned char smem[];
     if constexpr (CF::WG) {
       // [Q][K stages][V stages] from the first 1024-byte boundary (the merge
@@ -352,20 +356,20 @@ struct AttnProgram {
     BLOCK_Q = BM / GE;
     group = p.num_heads / p.num_kv_heads;
     // WG prefill launches take their query blocks heaviest first: linear
-    // block i (x fastest) is query block gridDim.x - 1 - i / gridDim.y of
-    // (KV head, head chunk) i % gridDim.y, so the causal blocks with the most
+    // block i (x fastest) is query block nx - 1 - i / ny of (KV head, head
+    // chunk) i % ny of the part's grid, so the causal blocks with the most
     // keys start in the first wave and the light ones fill the tail.
-    px = blockIdx.x;
-    int py = blockIdx.y;
+    px = grid.x();
+    int py = grid.y();
     if (CF::WG && !p.seq_programs) {
-      const int i = blockIdx.x + blockIdx.y * gridDim.x;
-      px = gridDim.x - 1 - i / gridDim.y;
-      py = i % gridDim.y;
+      const int i = grid.x() + grid.y() * grid.nx();
+      px = grid.nx() - 1 - i / grid.ny();
+      py = i % grid.ny();
     }
     kv_head = py / p.head_chunks;
     hc = py % p.head_chunks;
-    seg = blockIdx.z % p.num_segments;
-    dvc = blockIdx.z / p.num_segments;
+    seg = grid.z() % p.num_segments;
+    dvc = grid.z() / p.num_segments;
   }
 
   // Which sequence and which of its query blocks this program owns, the keys
@@ -1277,7 +1281,7 @@ struct AttnProgram {
   // Counts this program into its group once its partials are stored; true
   // for the last program of the group, which then merges. Every thread of
   // the program calls it (two block barriers).
-  __device__ __forceinline__ bool arrive() const { return arrive_last(this->p, this->tid); }
+  __device__ __forceinline__ bool arrive() const { return arrive_last(this->p, this->tid, this->grid); }
 
   // The last program of a split group. Per valid row, one warp: its lanes
   // read the segments' (max, sum) pairs (a lane per segment), the common
@@ -1394,9 +1398,9 @@ struct AttnProgram {
 // tiles streamed and accumulated, its warps merged, the output (or the
 // split-KV partials) written; with split KV, in decode-shaped programs, the
 // last program of the group then merges the partials into the output.
-template <typename T, typename C, class CF>
-__device__ __forceinline__ void attention_body(const AttnParams& p) {
-  AttnProgram<T, C, CF> prog(p);
+template <typename T, typename C, class CF, class G = LaunchGrid>
+__device__ __forceinline__ void attention_body(const AttnParams& p, const G& grid = G()) {
+  AttnProgram<T, C, CF, G> prog(p, grid);
   if (!prog.locate()) return;
   // Decode-shaped programs merge their own split groups; prefill-shaped
   // ones leave it to `reduce_segments_*` (see "Split KV").
@@ -1406,7 +1410,7 @@ __device__ __forceinline__ void attention_body(const AttnParams& p) {
   } else {
     prog.load_q();
     prog.init_tables();
-    using Prog = AttnProgram<T, C, CF>;
+    using Prog = AttnProgram<T, C, CF, G>;
     // This thread's fragment rows: score scales, running maxima and sums, and
     // its WR x DV accumulator fragments.
     typename Prog::RowMax rsc, rsc_log2, m_run, l_run;
@@ -1675,6 +1679,7 @@ __device__ __forceinline__ void scalar_body(const AttnParams& p) {
 
 #if defined(CPA_SM90A)
 #include "prefill_ws.cuh"
+#include "mixed_attention.cuh"
 #endif
 
 // ---- entry points ---------------------------------------------------------------

@@ -47,8 +47,13 @@ cuda_test! {
         // device.
         let stream = reports.iter().filter(|r| r.name.contains("_stream_r")).count();
         ensure!(stream == 6 * 4, "{stream} stream-decode instances");
+        // The one-launch mixed instances: head sizes 64 and 128, 8- and
+        // 16-row stream tiles, each query dtype, 16-bit caches.
+        let mixed = reports.iter().filter(|r| r.name.contains("_mixed_")).count();
+        let expected_mixed = if (major, minor) == (9, 0) { 2 * 2 * 2 } else { 0 };
+        ensure!(mixed == expected_mixed, "{mixed} one-launch mixed instances on sm_{major}{minor}");
         ensure!(
-            reports.len() == (5 * 2 + 3) * 4 + wgmma + ws + stream,
+            reports.len() == (5 * 2 + 3) * 4 + wgmma + ws + stream + mixed,
             "{} instances",
             reports.len()
         );

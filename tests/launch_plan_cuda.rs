@@ -157,14 +157,18 @@ cuda_test! {
     /// A head-128 decode batch whose (sequence, KV head) groups fill a wave
     /// of the default stream instance (`_r8`) and fit one of the wide one
     /// (`_r8w`, more programs per SM) takes the wide instance, unsplit, and
-    /// so does a mixed batch with as many decodes; both match the
-    /// reference. Under `CANDLE_PAGED_ATTENTION_STREAM=0` they take the
+    /// so does a mixed batch with as many decodes (in one launch, under
+    /// `CANDLE_PAGED_ATTENTION_OVERLAP=one-launch`, the 8-row instance,
+    /// split or not); both match the reference. Under `CANDLE_PAGED_ATTENTION_STREAM=0` they take the
     /// unified kernel's decode instance.
     fn one_wave_decodes_take_the_wide_instance(dev: &Device) -> Result<()> {
         let Device::Cuda(cuda) = dev else {
             anyhow::bail!("a cuda device expected, got {:?}", dev.location());
         };
         let off = std::env::var("CANDLE_PAGED_ATTENTION_STREAM").is_ok_and(|v| v == "0");
+        // A mixed batch in one launch keeps the 8-row stream instance.
+        let one_launch = std::env::var("CANDLE_PAGED_ATTENTION_OVERLAP")
+            .is_ok_and(|v| v.starts_with("one-launch"));
         // The device's SMs (from any launch) and the driver's programs per
         // SM of `_r8` and of the wide instance.
         let probe = Case::new(&[(1, 64)], (32, 8), 128, 16, DType::BF16);
@@ -192,10 +196,19 @@ cuda_test! {
             let case = Case::new(batch, (32, 8), 128, 16, DType::BF16).with_seed(seqs as u64);
             let inputs = case.build(dev)?;
             let plan = candle_paged_attention::cuda_launch_plan(&inputs.q, &case.params(&inputs))?;
-            let expected = if off { "decode" } else { "stream-wide" };
+            let expected = match (off, one_launch && label == "mixed") {
+                (true, _) => "decode",
+                (false, true) => "stream",
+                (false, false) => "stream-wide",
+            };
             let decode_part = plan.split(" + ").next().unwrap_or_default();
+            // In one launch the 8-row instance may split: these groups fill
+            // a wave of the wide one, not of it.
+            let splits_allowed = off || (one_launch && label == "mixed");
             ensure!(
-                decode_part.starts_with(expected) && (off || !decode_part.contains("split")),
+                decode_part.starts_with(expected)
+                    && !(expected == "stream" && decode_part.starts_with("stream-wide"))
+                    && (splits_allowed || !decode_part.contains("split")),
                 "{label}, {seqs} sequences on {sms} SMs: {plan}"
             );
             check_case(&case, dev)?;
@@ -316,6 +329,65 @@ cuda_test! {
         Ok(())
     }
 
+}
+
+cuda_test! {
+    /// Under `CANDLE_PAGED_ATTENTION_OVERLAP=one-launch` (or
+    /// `one-launch-prefill-first`) on a device of compute capability 9.0,
+    /// mixed batches over 16-bit caches at head sizes 64 and 128 (8- and
+    /// 16-row stream tiles, bf16 and f16) run both parts in one launch; fp8
+    /// caches and head size 256 run two. Under any other policy none runs
+    /// one. Every case matches the reference, with its decode part split
+    /// (few sequences, long keys) and unsplit (many).
+    fn mixed_batches_take_one_launch_where_asked(dev: &Device) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+        let Device::Cuda(cuda) = dev else {
+            anyhow::bail!("a cuda device expected, got {:?}", dev.location());
+        };
+        let stream = cuda.cuda_stream();
+        let ctx = stream.context();
+        let cc = (
+            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
+        let env = |v: &str| std::env::var(v).unwrap_or_default();
+        let asked = cc == (9, 0)
+            && env("CANDLE_PAGED_ATTENTION_OVERLAP").starts_with("one-launch")
+            && env("CANDLE_PAGED_ATTENTION_WGMMA") != "0"
+            && env("CANDLE_PAGED_ATTENTION_STREAM") != "0"
+            && env("CANDLE_PAGED_ATTENTION_PREFILL_ROWS") != "128";
+        let few: Vec<(usize, usize)> = vec![(1, 3000), (300, 300), (1, 65), (77, 500)];
+        let mut many = vec![(1, 900); 40];
+        many.insert(7, (200, 700));
+        many.push((513, 1400));
+        // (heads, head size, dtype, fp8 cache, an instance serves it)
+        let kinds = [
+            ((16, 4), 128, DType::BF16, false, true),
+            ((16, 1), 128, DType::BF16, false, true),
+            ((9, 3), 64, DType::F16, false, true),
+            ((32, 2), 64, DType::BF16, false, true),
+            ((16, 4), 128, DType::BF16, true, false),
+            ((8, 2), 256, DType::BF16, false, false),
+        ];
+        for (i, (heads, head_size, dtype, fp8, has)) in kinds.into_iter().enumerate() {
+            for (j, seqs) in [&few, &many].into_iter().enumerate() {
+                let case = Case::new(seqs, heads, head_size, 16, dtype)
+                    .with_fp8_cache(fp8)
+                    .with_seed((10 * i + j) as u64);
+                let inputs = case.build(dev)?;
+                let plan =
+                    candle_paged_attention::cuda_launch_plan(&inputs.q, &case.params(&inputs))?;
+                let label = format!("{heads:?} h{head_size} {dtype:?} fp8={fp8} batch {j}");
+                ensure!(plan.contains(" + prefill"), "{label}: {plan}");
+                ensure!(
+                    plan.ends_with("(one launch)") == (asked && has),
+                    "{label}: {plan} (one launch asked: {asked})"
+                );
+                check_case(&case, dev)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 cuda_test! {

@@ -1,5 +1,6 @@
 //! The Rust side of the Rust-CUDA contract: `AttnParams`, the parameter
-//! block every attention kernel takes by value.
+//! block every attention kernel takes by value, and `MixedParams`, the one
+//! of a mixed batch's one launch.
 //!
 //! kernels/attention_params.cuh holds `static_assert`s on the size and on
 //! every field offset of `cpa::AttnParams`; this file asserts the size at
@@ -84,6 +85,47 @@ const _: () = assert!(std::mem::size_of::<AttnParams>() == ATTN_PARAMS_BYTES);
 // passed by value as the only kernel parameter.
 unsafe impl DeviceRepr for AttnParams {}
 
+/// The parameter block of a mixed batch's one launch
+/// (`unified_attention_h{head}_mixed_r{rows}_{dtype}`); mirrors
+/// `cpa::MixedParams` in kernels/attention_params.cuh.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MixedParams {
+    /// The prefill part's parameters.
+    pub(crate) prefill: AttnParams,
+    /// The decode-shaped part's parameters.
+    pub(crate) decode: AttnParams,
+    /// `(x, y, z)` programs of the prefill part.
+    pub(crate) prefill_grid: [i32; 3],
+    /// `(x, y, z)` programs of the decode-shaped part.
+    pub(crate) decode_grid: [i32; 3],
+    /// 1: the prefill programs take the launch's first places; 0: they are
+    /// spread evenly among the decode programs.
+    pub(crate) prefill_first: i32,
+    /// 0; keeps the size a multiple of 8.
+    pub(crate) reserved: i32,
+}
+
+/// Bytes of `cpa::MixedParams`; kernels/attention_params.cuh asserts the same.
+pub(crate) const MIXED_PARAMS_BYTES: usize = 496;
+const _: () = assert!(std::mem::size_of::<MixedParams>() == MIXED_PARAMS_BYTES);
+
+// SAFETY: a `#[repr(C)]` block of two `AttnParams` and integers whose
+// layout matches the kernels' `MixedParams` (the size assertion above and
+// the offsets test below); passed by value as the only kernel parameter.
+unsafe impl DeviceRepr for MixedParams {}
+
+/// `(field, byte offset)` of every field of [`MixedParams`], in order.
+#[cfg(test)]
+pub(crate) const MIXED_PARAMS_OFFSETS: [(&str, usize); 6] = [
+    ("prefill", offset_of!(MixedParams, prefill)),
+    ("decode", offset_of!(MixedParams, decode)),
+    ("prefill_grid", offset_of!(MixedParams, prefill_grid)),
+    ("decode_grid", offset_of!(MixedParams, decode_grid)),
+    ("prefill_first", offset_of!(MixedParams, prefill_first)),
+    ("reserved", offset_of!(MixedParams, reserved)),
+];
+
 /// `(field, byte offset)` of every field of [`AttnParams`], in order (what
 /// the header's `offsetof` assertions are compared with).
 #[cfg(test)]
@@ -143,34 +185,44 @@ pub(crate) const ATTN_PARAMS_OFFSETS: [(&str, usize); 43] = [
 mod tests {
     use super::*;
 
-    /// Every `offsetof` assertion of the header agrees with the Rust struct,
-    /// and every Rust field has one.
-    #[test]
-    fn header_offsets_match_the_rust_struct() {
+    /// The `offsetof` assertions of `name` in the header, in order.
+    fn header_offsets(name: &str) -> Vec<(String, usize)> {
         let header = include_str!("../../kernels/attention_params.cuh");
+        let prefix = format!("static_assert(offsetof({name}, ");
         let mut seen = Vec::new();
         for line in header.lines() {
-            let Some(rest) = line
-                .trim()
-                .strip_prefix("static_assert(offsetof(AttnParams, ")
-            else {
+            let Some(rest) = line.trim().strip_prefix(prefix.as_str()) else {
                 continue;
             };
-            let (name, rest) = rest.split_once(')').expect("offsetof(AttnParams, name)");
+            // A malformed assertion fails the test here, which is its job.
+            let (field, rest) = rest.split_once(')').expect("offsetof(Struct, name)");
             let value: usize = rest
                 .trim_start_matches(" == ")
                 .split(',')
                 .next()
                 .and_then(|v| v.trim().parse().ok())
                 .expect("an integer offset");
-            seen.push((name.to_string(), value));
+            seen.push((field.to_string(), value));
         }
-        let rust: Vec<(String, usize)> = ATTN_PARAMS_OFFSETS
-            .iter()
-            .map(|&(n, o)| (n.to_string(), o))
-            .collect();
-        assert_eq!(seen, rust);
-        let size = format!("static_assert(sizeof(AttnParams) == {ATTN_PARAMS_BYTES},");
-        assert!(header.contains(&size), "the header must assert {size}");
+        seen
+    }
+
+    fn owned(offsets: &[(&str, usize)]) -> Vec<(String, usize)> {
+        offsets.iter().map(|&(n, o)| (n.to_string(), o)).collect()
+    }
+
+    /// Every `offsetof` assertion of the header agrees with the Rust
+    /// structs, and every Rust field has one.
+    #[test]
+    fn header_offsets_match_the_rust_struct() {
+        let header = include_str!("../../kernels/attention_params.cuh");
+        assert_eq!(header_offsets("AttnParams"), owned(&ATTN_PARAMS_OFFSETS));
+        assert_eq!(header_offsets("MixedParams"), owned(&MIXED_PARAMS_OFFSETS));
+        for size in [
+            format!("static_assert(sizeof(AttnParams) == {ATTN_PARAMS_BYTES},"),
+            format!("static_assert(sizeof(MixedParams) == {MIXED_PARAMS_BYTES},"),
+        ] {
+            assert!(header.contains(&size), "the header must assert {size}");
+        }
     }
 }

@@ -13,7 +13,9 @@ use candle_core::{CudaDevice, DType, Result};
 use super::occupancy::{driver_resident, Residency};
 use super::plan::{plan, resident_programs, Instance, Merge, Plan};
 use super::policy::LaunchPolicy;
-use super::tiles::{instance_name, instances, smem_bytes, Kind, TileInstance, QUERY_DTYPES};
+use super::tiles::{
+    instance_name, instances, mixed_instances, smem_bytes, Kind, TileInstance, QUERY_DTYPES,
+};
 use super::{attention_function, device_limits, AttnModule};
 use crate::params::{AttentionDims, PagedAttentionParams};
 
@@ -22,7 +24,8 @@ use crate::params::{AttentionDims, PagedAttentionParams};
 /// warp-specialised one, `stream` for stream decode,
 /// `stream-wide` for its wide instance)
 /// and its split-KV segments and who merges them (e.g. `stream
-/// split-kv(16)`, `decode split-kv(8) + reduce`, `stream + prefill-wgmma`).
+/// split-kv(16)`, `decode split-kv(8) + reduce`, `stream + prefill-wgmma`),
+/// then ` (one launch)` when both parts run in one launch.
 pub(crate) fn describe(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
@@ -54,7 +57,12 @@ pub(crate) fn describe(
             }
         })
         .collect();
-    Ok(parts.join(" + "))
+    let one_launch = if plan.one_launch.is_some() {
+        " (one launch)"
+    } else {
+        ""
+    };
+    Ok(format!("{}{one_launch}", parts.join(" + ")))
 }
 
 /// The kernel-name dtype of the tensor-core path for `q_dtype` (`None`: f32,
@@ -123,8 +131,9 @@ pub struct LaunchResidency {
 
 /// The launches of `forward`'s plan for this call (one, or two for a mixed
 /// batch; none for f32 queries, which run the scalar kernel), each with the
-/// plan's and the driver's residency. Not part of the API (see
-/// [`LaunchResidency`]).
+/// plan's and the driver's residency. A mixed batch in one launch reports
+/// its two parts' own instances: their residency is what the plan sizes
+/// the parts with. Not part of the API (see [`LaunchResidency`]).
 pub(crate) fn launch_residency(
     params: &PagedAttentionParams,
     dims: &AttentionDims,
@@ -228,6 +237,31 @@ pub fn kernel_instance_reports(dev: &CudaDevice) -> Result<Vec<KernelInstanceRep
                     name,
                 });
             }
+        }
+    }
+    // The one-launch mixed instances (16-bit caches), on a device that runs
+    // the warpgroup ones: compiled for two programs per SM, so the plan's
+    // lower bound is the smaller of 2 and what shared memory allows.
+    for mixed in mixed_instances().into_iter().filter(|_| limits.wgmma) {
+        for (dtype_name, _) in QUERY_DTYPES {
+            let name = mixed.name(dtype_name);
+            let (smem, threads) = (mixed.smem(), mixed.threads());
+            let func = attention_function(dev, &name, AttnModule::Sm90a, smem)?;
+            let attr = |a| -> Result<usize> { Ok(func.get_attribute(a).w()?.max(0) as usize) };
+            let resident = func
+                .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+                .w()?;
+            let by_smem = limits.smem_per_sm / (smem + limits.reserved_smem_per_block);
+            out.push(KernelInstanceReport {
+                planned_threads: threads,
+                planned_smem: smem,
+                planned_resident: by_smem.clamp(1, 2),
+                drives_split_kv: false,
+                driver_max_threads: attr(F::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
+                driver_static_smem: attr(F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
+                driver_resident: resident as usize,
+                name,
+            });
         }
     }
     Ok(out)

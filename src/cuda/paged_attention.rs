@@ -27,7 +27,9 @@
 //!   launches' programs share the SMs. A CUDA graph captures the fork and
 //!   the join, with cudarc's event tracking on or off.
 //!   `CANDLE_PAGED_ATTENTION_OVERLAP=0` runs both on the device's stream,
-//!   one after the other.
+//!   one after the other; `=one-launch` runs both parts' programs in one
+//!   launch where an instance serves the batch (`launch_one`,
+//!   kernels/mixed_attention.cuh: 16-bit caches, head sizes 64 and 128).
 //! * Split-KV (`KvSplit::Auto`): a pure decode batch splits its keys into
 //!   the segment count with the least modelled time on the resident
 //!   programs (`plan::choose_segments`); in a mixed batch only the
@@ -40,7 +42,8 @@
 //!
 //! `launch` runs named steps: `gather_params` (device addresses, their
 //! guards and the parameter block), then `launch_scalar` for f32, or
-//! `ensure_workspace`, `launch_parts` (with `launch_each`) and `launch_reduce` (each split part
+//! `ensure_workspace`, `launch_parts` (with `launch_each`, or `launch_one`)
+//! and `launch_reduce` (each split part
 //! that does not merge in its own launch). Every launch
 //! goes through `launch_attention` (grid check, then launch).
 //!
@@ -48,7 +51,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    result, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, SyncOnDrop,
+    result, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{
@@ -56,15 +59,15 @@ use candle_core::{
 };
 
 use super::buffers::{alloc_uninit, float_name};
-use super::contract::AttnParams;
+use super::contract::{AttnParams, MixedParams};
 use super::occupancy::Residency;
 use super::plan::{plan, Instance, Merge, Part, Plan};
 use super::policy::{LaunchPolicy, Overlap};
-use super::tiles::Kind;
+use super::tiles::{Kind, MixedInstance};
 use super::workspace::{self, SideStream, Workspace};
 use super::{
     attention_function, cuda_storage, device_address, fill_nan, function, optional_address,
-    poison_outputs, DeviceLimits, ATTENTION_MODULE,
+    poison_outputs, AttnModule, DeviceLimits, ATTENTION_MODULE,
 };
 use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
 
@@ -187,7 +190,9 @@ fn launch(
     p.ws_seq_rows = plan.ws_seq_rows as i32;
     let overlap = policy.overlap;
     let side = match (&plan.parts, overlap) {
-        ([Some(_), Some(_)], mode) if mode != Overlap::Off => Some(ws.side_stream(&stream)?),
+        ([Some(_), Some(_)], mode) if mode != Overlap::Off && plan.one_launch.is_none() => {
+            Some(ws.side_stream(&stream)?)
+        }
         _ => None,
     };
     let _ws_sync = ensure_workspace(ws, &dev, &stream, &split, dims, &mut p)?;
@@ -196,7 +201,11 @@ fn launch(
         dev: &dev,
         stream: &stream,
         side: side.as_deref(),
-        prefill_first: overlap == Overlap::PrefillFirst,
+        prefill_first: !matches!(overlap, Overlap::DecodeFirst),
+        one_launch_prefill_first: overlap
+            == Overlap::OneLaunch {
+                prefill_first: true,
+            },
         dtype_name,
         cache_fp8,
         decode_only: host.is_pure_decode(),
@@ -532,6 +541,9 @@ struct Kernels<'a> {
     side: Option<&'a SideStream>,
     /// With a side stream: enqueue the prefill launch before the decode one.
     prefill_first: bool,
+    /// In a one-launch plan: the prefill programs take the launch's first
+    /// places (else they are spread evenly among the decode ones).
+    one_launch_prefill_first: bool,
     dtype_name: &'static str,
     cache_fp8: bool,
     /// Every sequence has one new token (`PagedBatchHost::is_pure_decode`).
@@ -549,6 +561,9 @@ fn launch_parts(
     dims: &AttentionDims,
     p: &mut AttnParams,
 ) -> Result<()> {
+    if let Some(mixed) = &plan.one_launch {
+        return launch_one(k, plan, mixed, limits, dims, p);
+    }
     let Some(side) = k.side else {
         return launch_each(k, plan, limits, dims, p);
     };
@@ -571,7 +586,6 @@ fn launch_each(
     p: &mut AttnParams,
 ) -> Result<()> {
     let counters = p.ws_counters;
-    let (decode_only, seq_len_hint) = (k.decode_only, k.seq_len_hint);
     let mut order: Vec<&Part> = plan.parts.iter().flatten().collect();
     if k.side.is_some() && k.prefill_first {
         order.reverse();
@@ -581,27 +595,7 @@ fn launch_each(
             Some(side) if part.kind == Kind::Prefill => Target::Side(side),
             _ => Target::Main(k.stream),
         };
-        // A null counter buffer: the reduce launch merges this part.
-        p.ws_counters = if part.merge == Merge::InLaunch {
-            counters
-        } else {
-            0
-        };
-        p.group_entries = part.group_entries as i32;
-        p.head_chunks = part.head_chunks as i32;
-        p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
-        p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
-        p.num_segments = part.segments as i32;
-        p.single_segment_steps = part.single_segment_steps.min(i32::MAX as usize) as i32;
-        p.seq_programs = matches!(part.kind, Kind::Decode | Kind::Stream) as i32;
-        // Stream decode: what its programs may load before the lengths arrive.
-        p.decode_only =
-            (part.kind == Kind::Stream && plan.parts[1].is_none() && decode_only) as i32;
-        p.seq_len_hint = if part.kind == Kind::Stream {
-            seq_len_hint
-        } else {
-            0
-        };
+        *p = part_params(k, plan, part, p, counters);
         let Instance {
             name, smem, module, ..
         } = plan.instance(part, k.dtype_name, k.cache_fp8);
@@ -613,21 +607,8 @@ fn launch_each(
             );
         }
         let func = attention_function(k.dev, &name, module, smem)?;
-        let grid_x = u32::try_from(part.grid_x)
-            .ok()
-            .filter(|&x| x < i32::MAX as u32)
-            .ok_or_else(|| {
-                candle_core::Error::Msg(format!(
-                    "{OP}: grid of {} programs is too large",
-                    part.grid_x
-                ))
-            })?;
         let cfg = LaunchConfig {
-            grid_dim: (
-                grid_x,
-                (dims.num_kv_heads * part.head_chunks) as u32,
-                (part.segments * plan.dv_chunks) as u32,
-            ),
+            grid_dim: part_grid(plan, part, dims)?,
             block_dim: (part.tile.threads() as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
@@ -641,6 +622,121 @@ fn launch_each(
         unsafe { launch_attention(stream, &func, cfg, p) }?;
     }
     Ok(())
+}
+
+/// `p` with the fields that differ between the parts of `plan` set for
+/// `part` (`counters`: the call's arrival counters, handed to a part that
+/// merges its splits in its launch).
+fn part_params(
+    k: &Kernels<'_>,
+    plan: &Plan,
+    part: &Part,
+    p: &AttnParams,
+    counters: u64,
+) -> AttnParams {
+    let mut p = *p;
+    // A null counter buffer: the reduce launch merges this part.
+    p.ws_counters = if part.merge == Merge::InLaunch {
+        counters
+    } else {
+        0
+    };
+    p.group_entries = part.group_entries as i32;
+    p.head_chunks = part.head_chunks as i32;
+    p.q_len_min = part.q_len_min.min(i32::MAX as usize) as i32;
+    p.q_len_max = part.q_len_max.min(i32::MAX as usize) as i32;
+    p.num_segments = part.segments as i32;
+    p.single_segment_steps = part.single_segment_steps.min(i32::MAX as usize) as i32;
+    p.seq_programs = matches!(part.kind, Kind::Decode | Kind::Stream) as i32;
+    // Stream decode: what its programs may load before the lengths arrive.
+    p.decode_only = (part.kind == Kind::Stream && plan.parts[1].is_none() && k.decode_only) as i32;
+    p.seq_len_hint = if part.kind == Kind::Stream {
+        k.seq_len_hint
+    } else {
+        0
+    };
+    p
+}
+
+/// The grid of `part`'s programs as a launch of its own: (sequences or
+/// query blocks, KV heads x head chunks, segments x value chunks).
+fn part_grid(plan: &Plan, part: &Part, dims: &AttentionDims) -> Result<(u32, u32, u32)> {
+    let grid_x = u32::try_from(part.grid_x)
+        .ok()
+        .filter(|&x| x < i32::MAX as u32)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{OP}: grid of {} programs is too large",
+                part.grid_x
+            ))
+        })?;
+    let grid = (
+        grid_x,
+        (dims.num_kv_heads * part.head_chunks) as u32,
+        (part.segments * plan.dv_chunks) as u32,
+    );
+    check_grid_yz(grid)?;
+    Ok(grid)
+}
+
+/// A mixed batch's one launch (`plan.one_launch`): the decode-shaped and
+/// the prefill part's programs in one flat grid of the instance `mixed`
+/// (kernels/mixed_attention.cuh), each part with its own parameters and
+/// grid as `launch_each` would launch it, on the device's stream.
+fn launch_one(
+    k: &Kernels<'_>,
+    plan: &Plan,
+    mixed: &MixedInstance,
+    limits: &DeviceLimits,
+    dims: &AttentionDims,
+    p: &AttnParams,
+) -> Result<()> {
+    let [Some(decode), Some(prefill)] = &plan.parts else {
+        bail!("{OP}: a one-launch plan needs a decode-shaped and a prefill part");
+    };
+    let (prefill_grid, decode_grid) = (
+        part_grid(plan, prefill, dims)?,
+        part_grid(plan, decode, dims)?,
+    );
+    let count = |(x, y, z): (u32, u32, u32)| x as u64 * y as u64 * z as u64;
+    let programs = count(prefill_grid) + count(decode_grid);
+    let programs = u32::try_from(programs)
+        .ok()
+        .filter(|&x| x < i32::MAX as u32)
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{OP}: one launch of {programs} programs is too large"
+            ))
+        })?;
+    let as_i32 = |(x, y, z): (u32, u32, u32)| [x as i32, y as i32, z as i32];
+    let m = MixedParams {
+        prefill: part_params(k, plan, prefill, p, p.ws_counters),
+        decode: part_params(k, plan, decode, p, p.ws_counters),
+        prefill_grid: as_i32(prefill_grid),
+        decode_grid: as_i32(decode_grid),
+        prefill_first: k.one_launch_prefill_first as i32,
+        reserved: 0,
+    };
+    let smem = mixed.smem();
+    if smem > limits.max_smem_per_block {
+        bail!(
+            "{OP}: head size {} needs {smem} bytes of shared memory per program, this device allows {}",
+            dims.head_size,
+            limits.max_smem_per_block
+        );
+    }
+    let func = attention_function(k.dev, &mixed.name(k.dtype_name), AttnModule::Sm90a, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (programs, 1, 1),
+        block_dim: (mixed.threads() as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    // SAFETY: as for `launch_each`: both parameter blocks are `p` with
+    // per-part fields, whose addresses the caller's guards keep alive and
+    // ordered on this stream; `smem` is the larger of the two roles'
+    // layouts, each of which lays itself out from the start of it; the
+    // parts write disjoint rows.
+    unsafe { launch_attention(Target::Main(k.stream), &func, cfg, &m) }
 }
 
 /// The split-KV reduce of a part that does not merge its own partials
@@ -702,11 +798,11 @@ enum Target<'a> {
 /// caller's storage guards, and for the side stream by its fork and join
 /// around the launch) until after the launch, and `cfg.shared_mem_bytes`
 /// must match the kernel's shared-memory layout.
-unsafe fn launch_attention(
+unsafe fn launch_attention<P: DeviceRepr>(
     target: Target<'_>,
     func: &CudaFunction,
     cfg: LaunchConfig,
-    p: &AttnParams,
+    p: &P,
 ) -> Result<()> {
     check_grid_yz(cfg.grid_dim)?;
     match target {
@@ -719,7 +815,7 @@ unsafe fn launch_attention(
         Target::Side(side) => {
             // The kernel copies its one argument at launch; `p` outlives
             // the call.
-            let mut args = [p as *const AttnParams as *mut std::ffi::c_void];
+            let mut args = [p as *const P as *mut std::ffi::c_void];
             // SAFETY: the caller upholds this function's contract; `func` is
             // a loaded kernel whose one parameter is an `AttnParams`, and
             // `fork_from` bound the context to this thread.

@@ -16,10 +16,10 @@
 
 use candle_core::{bail, Result};
 
-use super::policy::{LaunchPolicy, StreamMode, WsMode};
+use super::policy::{LaunchPolicy, Overlap, StreamMode, WsMode};
 use super::tiles::{
-    instance_name, smem_bytes, stream_tile, stream_wide_tile, tile_shape, wgmma_tile,
-    wgmma_ws_tile, Kind, TileShape, HEAD_SIZES,
+    instance_name, mixed_instance, smem_bytes, stream_tile, stream_wide_tile, tile_shape,
+    wgmma_tile, wgmma_ws_tile, Kind, MixedInstance, TileShape, HEAD_SIZES,
 };
 use super::{AttnModule, DeviceLimits};
 use crate::params::{AttentionDims, KvSplit, PagedAttentionParams};
@@ -77,6 +77,11 @@ pub(super) struct Plan {
     /// row `seq * ws_seq_rows + row`), for a mixed batch's decode launch.
     pub(super) ws_seq_rows: usize,
     pub(super) parts: [Option<Part>; 2],
+    /// Both parts in one launch of this instance (a mixed batch under
+    /// `Overlap::OneLaunch`; kernels/mixed_attention.cuh): `parts[0]` is
+    /// then a stream-decode part and `parts[1]` a 64-row warpgroup prefill
+    /// part, each planned as for a launch of its own.
+    pub(super) one_launch: Option<MixedInstance>,
 }
 
 /// The kernel instance one part launches: its name, threads and dynamic
@@ -233,11 +238,40 @@ pub(super) fn plan(
     let by_shape = matches!(params.kv_split, KvSplit::AutoUpTo(_)) && !host.is_pure_decode();
     // Longest span whose rows (times the packed heads) fit one decode-shaped program.
     let fits = 16 / group.min(16);
+    // The decode-shaped launch's longest span: a stream-decode instance
+    // serves it where one exists (`stream_decode_tile`).
+    let decode_span = if by_shape {
+        fits
+    } else if host.max_seqlen_q() <= fits {
+        host.max_seqlen_q().max(1)
+    } else {
+        (0..n)
+            .map(|i| host.q_len(i).unwrap_or(0))
+            .filter(|&q| q <= fits)
+            .max()
+            .unwrap_or(1)
+    };
+    let stream = stream_decode_tile(dims, fp8, head, decode_span, aligned, limits, policy);
+    // Both a decode-shaped and a prefill part.
+    let mixed_batch = by_shape
+        || (host.max_seqlen_q() > fits
+            && (0..n).any(|i| (1..=fits).contains(&host.q_len(i).unwrap_or(0))));
     let decode = tile_shape(Kind::Decode, head, false);
     // The prefill tiles: the warpgroup instances on a device of compute
     // capability 9.0 for their head sizes (unless the policy turns them
     // off), else the mma.sync ones.
     let wgmma = limits.wgmma && policy.wgmma;
+    // A mixed batch in one launch where the policy asks for it and an
+    // instance serves it: 16-bit caches, a stream-decode tile that has a
+    // one-launch instance, and the 64-row warpgroup prefill tile.
+    let one_launch = match (policy.overlap, stream) {
+        (Overlap::OneLaunch { .. }, Some(tile))
+            if wgmma && !fp8 && mixed_batch && policy.prefill_rows != Some(128) =>
+        {
+            mixed_instance(head, &tile)
+        }
+        _ => None,
+    };
     let prefill_tile = |small| match wgmma_tile(head, small) {
         Some(tile) if wgmma => tile,
         _ => tile_shape(Kind::Prefill, head, small),
@@ -247,6 +281,7 @@ pub(super) fn plan(
     // device holds) takes 64-row ones. Above head size 128 the mma.sync
     // instances have one tile (of 64 rows).
     let small = match policy.prefill_rows {
+        _ if one_launch.is_some() => true,
         Some(rows) => rows == 64,
         None if narrow == wide || (!by_shape && host.max_seqlen_q() <= fits) => false,
         None if by_shape => {
@@ -268,6 +303,7 @@ pub(super) fn plan(
     // warp-specialised instance where there is one and the policy takes it
     // (by default for rows that see many keys, `ws_prefill`).
     let warp_specialized = wgmma
+        && one_launch.is_none()
         && !fp8
         && aligned
         && match policy.warp_specialized {
@@ -281,23 +317,11 @@ pub(super) fn plan(
         _ => wide,
     };
     // The decode-shaped launch: a stream-decode instance where one serves
-    // the call (`stream_decode_tile`), else the unified kernel's.
-    let decode_span = if by_shape {
-        fits
-    } else if host.max_seqlen_q() <= fits {
-        host.max_seqlen_q().max(1)
-    } else {
-        (0..n)
-            .map(|i| host.q_len(i).unwrap_or(0))
-            .filter(|&q| q <= fits)
-            .max()
-            .unwrap_or(1)
+    // the call, else the unified kernel's.
+    let decode_part = |q_lens| match stream {
+        Some(tile) => part(Kind::Stream, tile, dims, n, q_lens),
+        None => part(Kind::Decode, decode, dims, n, q_lens),
     };
-    let decode_part =
-        |q_lens| match stream_decode_tile(dims, fp8, head, decode_span, aligned, limits, policy) {
-            Some(tile) => part(Kind::Stream, tile, dims, n, q_lens),
-            None => part(Kind::Decode, decode, dims, n, q_lens),
-        };
     let parts = if by_shape {
         [
             Some(decode_part((1, fits))),
@@ -305,7 +329,7 @@ pub(super) fn plan(
         ]
     } else if host.max_seqlen_q() <= fits {
         [Some(decode_part(all)), None]
-    } else if (0..n).any(|i| (1..=fits).contains(&host.q_len(i).unwrap_or(0))) {
+    } else if mixed_batch {
         [
             Some(decode_part((1, fits))),
             Some(part(Kind::Prefill, prefill, dims, n, (fits + 1, all.1))),
@@ -319,7 +343,8 @@ pub(super) fn plan(
         p.resident = resident(p.kind, &p.tile, head)?;
     }
     // The wide stream-decode instance where the decode part's groups fill
-    // a wave of the default one and fit one wave of it (`prefer_wide`).
+    // a wave of the default one and fit one wave of it (`prefer_wide`);
+    // never in one launch with the prefill part.
     // Sequences of the decode-shaped launch (in a mixed batch, those whose
     // new tokens fit it).
     let decode_count = match parts {
@@ -329,7 +354,10 @@ pub(super) fn plan(
             .filter(|&i| (1..=fits).contains(&host.q_len(i).unwrap_or(0)))
             .count(),
     };
-    if let Some(p) = parts[0].as_mut().filter(|p| p.kind == Kind::Stream) {
+    if let Some(p) = parts[0]
+        .as_mut()
+        .filter(|p| p.kind == Kind::Stream && one_launch.is_none())
+    {
         let wide_tile = stream_wide_tile(head, p.tile.rows())
             .filter(|tile| smem_bytes(tile, head, fp8) <= limits.max_smem_per_block);
         if let Some(wide_tile) = wide_tile {
@@ -423,6 +451,7 @@ pub(super) fn plan(
         dv_chunks,
         ws_seq_rows,
         parts,
+        one_launch,
     })
 }
 
@@ -1013,6 +1042,61 @@ mod tests {
             ..policy
         };
         assert_eq!(steps(KvSplit::Auto, &wide), (Kind::Stream, true, 62));
+    }
+
+    #[test]
+    fn one_launch_serves_mixed_batches_where_an_instance_exists() {
+        let policy = LaunchPolicy {
+            overlap: Overlap::OneLaunch {
+                prefill_first: false,
+            },
+            ..LaunchPolicy::default()
+        };
+        let mixed: &[(u32, u32)] = &[(1, 4096), (1, 900), (512, 512), (300, 1000)];
+        for head in [64, 128] {
+            let (q, params) = call(head, false, mixed);
+            let p = plan_with(&q, &params, &HOPPER_WG, &policy);
+            let Some(one) = p.one_launch else {
+                panic!("h{head}: no one-launch instance: {p:?}");
+            };
+            let [Some(d), Some(f)] = p.parts else {
+                panic!("h{head}: two parts expected: {p:?}");
+            };
+            assert_eq!((d.kind, d.tile), (Kind::Stream, one.stream), "h{head}");
+            assert!(!d.tile.is_stream_wide(), "h{head}");
+            assert_eq!((f.kind, f.tile), (Kind::Prefill, one.prefill), "h{head}");
+            assert_eq!(f.tile.rows(), 64, "h{head}");
+            // A graph step with prefills (planned by shape) too.
+            let by_shape = params.clone().with_kv_split(KvSplit::AutoUpTo(4096));
+            assert!(plan_with(&q, &by_shape, &HOPPER_WG, &policy)
+                .one_launch
+                .is_some());
+        }
+        // Not without an instance or a second part: fp8 caches, head size
+        // 256, no warpgroup MMAs, a pure decode or prefill batch, 128-row
+        // prefills forced; nor under the default policy.
+        let none =
+            |head, fp8, seqs: &[(u32, u32)], limits: &DeviceLimits, policy: &LaunchPolicy| {
+                let (q, params) = call(head, fp8, seqs);
+                plan_with(&q, &params, limits, policy).one_launch.is_none()
+            };
+        assert!(none(128, true, mixed, &HOPPER_WG, &policy));
+        assert!(none(256, false, mixed, &HOPPER_WG, &policy));
+        assert!(none(128, false, mixed, &HOPPER, &policy));
+        assert!(none(128, false, &[(1, 4096); 8], &HOPPER_WG, &policy));
+        assert!(none(128, false, &[(512, 512); 2], &HOPPER_WG, &policy));
+        let rows_128 = LaunchPolicy {
+            prefill_rows: Some(128),
+            ..policy
+        };
+        assert!(none(128, false, mixed, &HOPPER_WG, &rows_128));
+        assert!(none(
+            128,
+            false,
+            mixed,
+            &HOPPER_WG,
+            &LaunchPolicy::default()
+        ));
     }
 
     #[test]

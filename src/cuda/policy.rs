@@ -12,7 +12,7 @@
 //! | `CANDLE_PAGED_ATTENTION_WS` | `0`, `1`, else auto | [`warp_specialized`](LaunchPolicy::warp_specialized) |
 //! | `CANDLE_PAGED_ATTENTION_PREFILL_ROWS` | `64`, `128`, else free | [`prefill_rows`](LaunchPolicy::prefill_rows) |
 //! | `CANDLE_PAGED_ATTENTION_SPLIT_MERGE` | `launch`, `reduce`, else by kernel | [`split_merge`](LaunchPolicy::split_merge) |
-//! | `CANDLE_PAGED_ATTENTION_OVERLAP` | `0`, `decode-first`, else prefill first | [`overlap`](LaunchPolicy::overlap) |
+//! | `CANDLE_PAGED_ATTENTION_OVERLAP` | `0`, `decode-first`, `one-launch`, `one-launch-prefill-first`, else prefill first | [`overlap`](LaunchPolicy::overlap) |
 //! | `CANDLE_PAGED_ATTENTION_SKINNY_KERNEL` | `fma`, else `mma` | [`skinny`](LaunchPolicy::skinny) |
 //! | `CANDLE_PAGED_ATTENTION_SINGLE_SEGMENT_KEYS` | a key count, else 256 | [`single_segment_keys`](LaunchPolicy::single_segment_keys) |
 //!
@@ -67,6 +67,15 @@ pub(crate) enum Overlap {
     PrefillFirst,
     /// `decode-first`: enqueued after it.
     DecodeFirst,
+    /// `one-launch` (`one-launch-prefill-first`): both parts' programs in
+    /// one launch (kernels/mixed_attention.cuh) where an instance serves
+    /// the batch (16-bit caches, head sizes 64 and 128, a stream-decode
+    /// part; the prefill part then takes 64-row programs), spread evenly
+    /// (or the prefill programs first); elsewhere as `PrefillFirst`.
+    OneLaunch {
+        /// The prefill programs take the launch's first places.
+        prefill_first: bool,
+    },
 }
 
 /// Which kernel a skinny matmul (`skinny_matmul`) runs.
@@ -151,6 +160,12 @@ impl LaunchPolicy {
             overlap: match get("OVERLAP").as_deref() {
                 Some("0") => Overlap::Off,
                 Some("decode-first") => Overlap::DecodeFirst,
+                Some("one-launch") => Overlap::OneLaunch {
+                    prefill_first: false,
+                },
+                Some("one-launch-prefill-first") => Overlap::OneLaunch {
+                    prefill_first: true,
+                },
                 _ => Overlap::PrefillFirst,
             },
             skinny: match get("SKINNY_KERNEL").as_deref() {
@@ -218,6 +233,18 @@ mod tests {
         assert_eq!(
             with(&[("OVERLAP", "decode-first")]).overlap,
             Overlap::DecodeFirst
+        );
+        assert_eq!(
+            with(&[("OVERLAP", "one-launch")]).overlap,
+            Overlap::OneLaunch {
+                prefill_first: false
+            }
+        );
+        assert_eq!(
+            with(&[("OVERLAP", "one-launch-prefill-first")]).overlap,
+            Overlap::OneLaunch {
+                prefill_first: true
+            }
         );
         assert_eq!(with(&[("SKINNY_KERNEL", "fma")]).skinny, SkinnyKernel::Fma);
         assert_eq!(with(&[("SINGLE_SEGMENT_KEYS", "0")]).single_segment_keys, 0);

@@ -289,6 +289,75 @@ fn stream_shape(head: usize, rows: usize) -> TileShape {
     }
 }
 
+/// Padded head sizes with one-launch mixed instances.
+pub(crate) const MIXED_HEAD_SIZES: [usize; 2] = [64, 128];
+
+/// The one-launch instance of a mixed batch (kernels/mixed_attention.cuh,
+/// in the sm_90a module): the programs of a prefill part with the 64-row
+/// warpgroup tile and of a decode-shaped part with a (not wide) stream
+/// tile, in one grid. 16-bit caches; bf16 and f16 queries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MixedInstance {
+    /// Padded head size.
+    pub(crate) head: usize,
+    /// The prefill programs' tile (`wgmma_tile(head, true)`).
+    pub(crate) prefill: TileShape,
+    /// The decode programs' tile (`stream_tile(head, rows)`).
+    pub(crate) stream: TileShape,
+}
+
+impl MixedInstance {
+    /// Threads per program: both roles' (128).
+    pub(crate) fn threads(&self) -> usize {
+        self.prefill.threads().max(self.stream.threads())
+    }
+    /// Dynamic shared memory per program: the larger role's.
+    pub(crate) fn smem(&self) -> usize {
+        smem_bytes(&self.prefill, self.head, false).max(smem_bytes(&self.stream, self.head, false))
+    }
+    /// The kernel's suffix after `_mixed`: the stream tile's (`_r8`, `_r16`).
+    pub(crate) fn suffix(&self) -> &'static str {
+        self.stream.suffix
+    }
+    /// `unified_attention_h{head}_mixed_r{rows}_{dtype}`.
+    pub(crate) fn name(&self, dtype_name: &str) -> String {
+        format!(
+            "unified_attention_h{}_mixed{}_{dtype_name}",
+            self.head,
+            self.suffix()
+        )
+    }
+}
+
+/// The one-launch instance for a mixed batch whose decode-shaped part
+/// takes `stream` at padded head size `head`, if there is one: head sizes
+/// 64 and 128, an 8- or 16-row stream tile that is not the wide one.
+pub(crate) fn mixed_instance(head: usize, stream: &TileShape) -> Option<MixedInstance> {
+    let exists = MIXED_HEAD_SIZES.contains(&head)
+        && stream.stream
+        && !stream.is_stream_wide()
+        && stream_tile(head, stream.rows()) == Some(*stream);
+    let prefill = wgmma_tile(head, true).filter(|_| exists)?;
+    (prefill.threads() == stream.threads()).then_some(MixedInstance {
+        head,
+        prefill,
+        stream: *stream,
+    })
+}
+
+/// Every one-launch mixed instance (each compiled for every query dtype of
+/// [`QUERY_DTYPES`], over 16-bit caches).
+pub(crate) fn mixed_instances() -> Vec<MixedInstance> {
+    MIXED_HEAD_SIZES
+        .iter()
+        .flat_map(|&head| {
+            STREAM_ROWS
+                .iter()
+                .filter_map(move |&rows| mixed_instance(head, &stream_tile(head, rows)?))
+        })
+        .collect()
+}
+
 /// One compiled tensor-core kernel instance: a program kind and its tile at
 /// a padded head size. Each is compiled for every query dtype of
 /// [`QUERY_DTYPES`], over a 16-bit cache of that dtype and over fp8.
@@ -382,7 +451,7 @@ pub(crate) fn smem_bytes(tile: &TileShape, head: usize, fp8: bool) -> usize {
 }
 
 /// Dynamic shared memory of a stream-decode instance (mirrors
-/// `StreamProgram::SMEM` in kernels/stream_decode.cu, whose `CPA_STREAM`
+/// `StreamProgram::SMEM` in kernels/stream_decode.cuh, whose `CPA_STREAM`
 /// macros assert that both agree): Q `[rows][head + 16]` 16-bit, the row
 /// scales, the warps' row maxima and sums, then the larger of the warps'
 /// rescaled accumulators `[warps][rows][dv + 4]` f32 and their rings of
@@ -484,6 +553,24 @@ mod tests {
                 }
             }
         }
+        // The one-launch mixed instances: head sizes 64 and 128, 8 and 16
+        // stream rows, 128 threads in both roles.
+        let mixed = mixed_instances();
+        assert_eq!(mixed.len(), 4);
+        for m in &mixed {
+            assert_eq!((m.threads(), m.prefill.rows()), (128, 64), "{m:?}");
+            assert!(!m.stream.is_stream_wide() && m.prefill.wgmma, "{m:?}");
+        }
+        assert_eq!(mixed[0].name("bf16"), "unified_attention_h64_mixed_r8_bf16");
+        for head in [32, 256, 512] {
+            for rows in STREAM_ROWS {
+                if let Some(tile) = stream_tile(head, rows) {
+                    assert!(mixed_instance(head, &tile).is_none(), "h{head} r{rows}");
+                }
+            }
+        }
+        let wide = stream_wide_tile(128, 8).expect("the wide h128 instance");
+        assert!(mixed_instance(128, &wide).is_none());
         // 5 decode, 5 + 3 prefill, 3 x 2 warpgroup, 2 warp-specialised,
         // 6 stream.
         assert_eq!(all.len(), 27);
