@@ -194,7 +194,8 @@ mod tests {
             let Some(rest) = line.trim().strip_prefix(prefix.as_str()) else {
                 continue;
             };
-            // A malformed assertion fails the test here, which is its job.
+            // A malformed assertion (no `)`, or no integer offset) fails the
+            // test at one of the two expects below, which is its job.
             let (field, rest) = rest.split_once(')').expect("offsetof(Struct, name)");
             let value: usize = rest
                 .trim_start_matches(" == ")

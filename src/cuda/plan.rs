@@ -1056,6 +1056,7 @@ mod tests {
         for head in [64, 128] {
             let (q, params) = call(head, false, mixed);
             let p = plan_with(&q, &params, &HOPPER_WG, &policy);
+            // The test's assertions: a panic names the case that failed.
             let Some(one) = p.one_launch else {
                 panic!("h{head}: no one-launch instance: {p:?}");
             };

@@ -569,6 +569,7 @@ mod tests {
                 }
             }
         }
+        // Cannot fire: `stream_wide_tile` defines the head-128 8-row instance.
         let wide = stream_wide_tile(128, 8).expect("the wide h128 instance");
         assert!(mixed_instance(128, &wide).is_none());
         // 5 decode, 5 + 3 prefill, 3 x 2 warpgroup, 2 warp-specialised,
