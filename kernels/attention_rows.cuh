@@ -1,5 +1,5 @@
 // Row-level pieces of paged attention shared by kernels/unified_attention.cu
-// and kernels/stream_decode.cuh: one row's online-softmax step, the stores of a
+// and kernels/stream_decode.cu: one row's online-softmax step, the stores of a
 // row's columns (the output of a whole row, or a split-KV partial) and the
 // arrival protocol of the split-KV merge (see "Split KV" at the top of
 // kernels/unified_attention.cu).

@@ -1,7 +1,7 @@
 // The score pipeline of paged attention, written once for every program:
 // the tensor-core and f32 programs and the split-KV merges of
 // kernels/unified_attention.cu (the warpgroup instances included) and the
-// stream-decode programs of kernels/stream_decode.cuh.
+// stream-decode programs of kernels/stream_decode.cu.
 //
 // A raw score q.k of query row (head h, new-token row q_rel at absolute
 // position q_abs = context_len + q_rel) against key `key` becomes, in order

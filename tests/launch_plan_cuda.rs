@@ -20,6 +20,20 @@ use candle_paged_attention::{cuda_launch_residency, launch_plans_made, KvSplit};
 use common::case::Case;
 use common::check::{check_case, run_op};
 
+/// The (major, minor) compute capability of the CUDA device `dev`.
+fn compute_capability(dev: &Device) -> Result<(i32, i32)> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    let Device::Cuda(cuda) = dev else {
+        anyhow::bail!("a cuda device expected, got {:?}", dev.location());
+    };
+    let stream = cuda.cuda_stream();
+    let ctx = stream.context();
+    Ok((
+        ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
 /// A labelled batch, its sequences as (new tokens, keys) and the launches
 /// its plan makes.
 type Batch = (&'static str, &'static [(usize, usize)], usize);
@@ -75,16 +89,7 @@ cuda_test! {
     /// `CANDLE_PAGED_ATTENTION_WGMMA=0`, over 16-bit and fp8 caches; other
     /// head sizes and other devices the mma.sync ones.
     fn hopper_prefills_take_the_warpgroup_instance(dev: &Device) -> Result<()> {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-        let Device::Cuda(cuda) = dev else {
-            anyhow::bail!("a cuda device expected, got {:?}", dev.location());
-        };
-        let stream = cuda.cuda_stream();
-        let ctx = stream.context();
-        let cc = (
-            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-        );
+        let cc = compute_capability(dev)?;
         let env = |v: &str| std::env::var(v).unwrap_or_default();
         let on = cc == (9, 0) && env("CANDLE_PAGED_ATTENTION_WGMMA") != "0";
         // The warp-specialised instance where forced: these rows see 512
@@ -340,16 +345,7 @@ cuda_test! {
     /// one. Every case matches the reference, with its decode part split
     /// (few sequences, long keys) and unsplit (many).
     fn mixed_batches_take_one_launch_where_asked(dev: &Device) -> Result<()> {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-        let Device::Cuda(cuda) = dev else {
-            anyhow::bail!("a cuda device expected, got {:?}", dev.location());
-        };
-        let stream = cuda.cuda_stream();
-        let ctx = stream.context();
-        let cc = (
-            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-            ctx.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-        );
+        let cc = compute_capability(dev)?;
         let env = |v: &str| std::env::var(v).unwrap_or_default();
         let asked = cc == (9, 0)
             && env("CANDLE_PAGED_ATTENTION_OVERLAP").starts_with("one-launch")

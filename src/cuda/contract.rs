@@ -186,7 +186,7 @@ mod tests {
     use super::*;
 
     /// The `offsetof` assertions of `name` in the header, in order.
-    fn header_offsets(name: &str) -> Vec<(String, usize)> {
+    fn header_offsets(name: &str) -> Result<Vec<(String, usize)>, String> {
         let header = include_str!("../../kernels/attention_params.cuh");
         let prefix = format!("static_assert(offsetof({name}, ");
         let mut seen = Vec::new();
@@ -194,18 +194,17 @@ mod tests {
             let Some(rest) = line.trim().strip_prefix(prefix.as_str()) else {
                 continue;
             };
-            // A malformed assertion (no `)`, or no integer offset) fails the
-            // test at one of the two expects below, which is its job.
-            let (field, rest) = rest.split_once(')').expect("offsetof(Struct, name)");
+            let malformed = || format!("a malformed offset assertion: {line}");
+            let (field, rest) = rest.split_once(')').ok_or_else(malformed)?;
             let value: usize = rest
                 .trim_start_matches(" == ")
                 .split(',')
                 .next()
                 .and_then(|v| v.trim().parse().ok())
-                .expect("an integer offset");
+                .ok_or_else(malformed)?;
             seen.push((field.to_string(), value));
         }
-        seen
+        Ok(seen)
     }
 
     fn owned(offsets: &[(&str, usize)]) -> Vec<(String, usize)> {
@@ -215,15 +214,16 @@ mod tests {
     /// Every `offsetof` assertion of the header agrees with the Rust
     /// structs, and every Rust field has one.
     #[test]
-    fn header_offsets_match_the_rust_struct() {
+    fn header_offsets_match_the_rust_struct() -> Result<(), String> {
         let header = include_str!("../../kernels/attention_params.cuh");
-        assert_eq!(header_offsets("AttnParams"), owned(&ATTN_PARAMS_OFFSETS));
-        assert_eq!(header_offsets("MixedParams"), owned(&MIXED_PARAMS_OFFSETS));
+        assert_eq!(header_offsets("AttnParams")?, owned(&ATTN_PARAMS_OFFSETS));
+        assert_eq!(header_offsets("MixedParams")?, owned(&MIXED_PARAMS_OFFSETS));
         for size in [
             format!("static_assert(sizeof(AttnParams) == {ATTN_PARAMS_BYTES},"),
             format!("static_assert(sizeof(MixedParams) == {MIXED_PARAMS_BYTES},"),
         ] {
             assert!(header.contains(&size), "the header must assert {size}");
         }
+        Ok(())
     }
 }

@@ -1045,7 +1045,8 @@ mod tests {
     }
 
     #[test]
-    fn one_launch_serves_mixed_batches_where_an_instance_exists() {
+    fn one_launch_serves_mixed_batches_where_an_instance_exists() -> std::result::Result<(), String>
+    {
         let policy = LaunchPolicy {
             overlap: Overlap::OneLaunch {
                 prefill_first: false,
@@ -1056,12 +1057,11 @@ mod tests {
         for head in [64, 128] {
             let (q, params) = call(head, false, mixed);
             let p = plan_with(&q, &params, &HOPPER_WG, &policy);
-            // The test's assertions: a panic names the case that failed.
-            let Some(one) = p.one_launch else {
-                panic!("h{head}: no one-launch instance: {p:?}");
-            };
+            let one = p
+                .one_launch
+                .ok_or_else(|| format!("h{head}: no one-launch instance: {p:?}"))?;
             let [Some(d), Some(f)] = p.parts else {
-                panic!("h{head}: two parts expected: {p:?}");
+                return Err(format!("h{head}: two parts expected: {p:?}"));
             };
             assert_eq!((d.kind, d.tile), (Kind::Stream, one.stream), "h{head}");
             assert!(!d.tile.is_stream_wide(), "h{head}");
@@ -1098,6 +1098,7 @@ mod tests {
             &HOPPER_WG,
             &LaunchPolicy::default()
         ));
+        Ok(())
     }
 
     #[test]
