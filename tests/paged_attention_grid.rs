@@ -344,6 +344,25 @@ device_test! {
 }
 
 device_test! {
+    /// Non-positive score scales on prefills long enough for whole key
+    /// tiles: the fast paths that take maxima of unscaled scores (the
+    /// warp-specialised instance's) must not take a negative or zero scale.
+    #[case(-0.09)]
+    #[case(0.0)]
+    fn non_positive_scales(
+        dev: &Device,
+        #[case] scale: f32,
+        #[values(DType::BF16, DType::F16)] dtype: DType,
+        #[values(64, 128)] head_size: usize,
+    ) -> Result<()> {
+        let case = Case::new(&[(300, 700), (1, 260), (270, 270)], (8, 2), head_size, 16, dtype)
+            .with_score_scale(scale)
+            .with_seed(31);
+        check_case(&case, dev)
+    }
+}
+
+device_test! {
     /// Window 1 keeps only the diagonal; a window wider than every sequence is
     /// plain causal attention.
     #[case(1)]

@@ -68,6 +68,8 @@ pub struct Case {
     pub qq_bias: QqBias,
     pub prefix: Prefix,
     pub output_scale: Option<f32>,
+    /// The score scale; `None`: `1 / sqrt(head_size)`.
+    pub score_scale: Option<f32>,
     pub kv_split: KvSplit,
     /// Fill cache rows that no query may see with NaN.
     pub nan_garbage: bool,
@@ -100,6 +102,7 @@ impl Case {
             qq_bias: QqBias::Off,
             prefix: Prefix::Off,
             output_scale: None,
+            score_scale: None,
             kv_split: KvSplit::Auto,
             nan_garbage: true,
             seed: 0,
@@ -116,6 +119,10 @@ impl Case {
     }
     pub fn with_window(mut self, window: Option<usize>) -> Self {
         self.window = window;
+        self
+    }
+    pub fn with_score_scale(mut self, scale: f32) -> Self {
+        self.score_scale = Some(scale);
         self
     }
     pub fn with_softcap(mut self, softcap: Option<f32>) -> Self {
@@ -169,7 +176,8 @@ impl Case {
         self.seqs.iter().map(|&(q, _)| q).max().unwrap_or(0)
     }
     pub fn scale(&self) -> f32 {
-        1.0 / (self.head_size as f32).sqrt()
+        self.score_scale
+            .unwrap_or(1.0 / (self.head_size as f32).sqrt())
     }
     pub fn cache_dtype(&self) -> DType {
         if self.fp8_cache {
@@ -192,7 +200,7 @@ impl Case {
     /// Short one-line description for failure messages.
     pub fn label(&self) -> String {
         format!(
-            "seqs {:?} heads {}:{} head_size {} block_size {} {:?}{} window {:?} softcap {:?} alibi {} sinks {} qq {:?} prefix {} out_scale {:?} split {:?} seed {}",
+            "seqs {:?} heads {}:{} head_size {} block_size {} {:?}{} window {:?} softcap {:?} alibi {} sinks {} qq {:?} prefix {} out_scale {:?} scale {} split {:?} seed {}",
             self.seqs,
             self.num_heads,
             self.num_kv_heads,
@@ -207,6 +215,7 @@ impl Case {
             self.qq_bias,
             !matches!(self.prefix, Prefix::Off),
             self.output_scale,
+            self.scale(),
             self.kv_split,
             self.seed
         )
