@@ -345,8 +345,12 @@ device_test! {
 
 device_test! {
     /// Non-positive score scales on prefills long enough for whole key
-    /// tiles: the fast paths that take maxima of unscaled scores (the
-    /// warp-specialised instance's) must not take a negative or zero scale.
+    /// tiles. A fast path that takes row maxima of unscaled scores (the
+    /// warp-specialised instance's `score_full`) gives wrong maxima under
+    /// -0.09 (c * max is then the minimum); scale 0 must give every visible
+    /// key the same weight. The default plan sends these short prefills to
+    /// the warpgroup instances; `CANDLE_PAGED_ATTENTION_WS=1` (the README's
+    /// test line) runs them through the warp-specialised one.
     #[case(-0.09)]
     #[case(0.0)]
     fn non_positive_scales(
