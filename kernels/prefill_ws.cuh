@@ -26,9 +26,11 @@
 //     (while the P V product runs); wait for it; release V[j - 1];
 //     rescale O to the new maxima.
 //   Empty barriers take one arrival per consumer warp (8). Tiles that every
-//   row sees whole, with no per-key terms, take `score_full` (tree maxima
-//   on the raw scores, the scale folded into the exponent's fma); the others
-//   `AttnProgram::score`.
+//   row sees whole, with no per-key terms, under a positive scale, take
+//   `score_full` (tree maxima on the raw scores, the scale folded into the
+//   exponent's fma); the others `AttnProgram::score`. At head size 64 the
+//   softmax step ends a basic block of its own (`end_block_after`), so that
+//   in the SASS the wait for the P V product follows the exponentials.
 // After the last tile the consumers merge and write their rows as the WG
 // instances do, their barriers named (WS_BAR_ROWS), without the producer.
 // 16-bit caches only, 16-byte loads: the plan picks these instances for
@@ -207,11 +209,15 @@ struct WsProgram : AttnProgram<T, T, CF> {
   // (qd: the warpgroup's Q rows): issued and committed, not waited for.
   __device__ __forceinline__ static void issue_qk(uint64_t qd, uint64_t kd, Scores& s) {
     float(&d)[KW / 2] = reinterpret_cast<float(&)[KW / 2]>(s);
+    // The steps add to the low words only (the start address never carries,
+    // see above): 32-bit adds, and Q's descriptors stay out of the loop.
+    const uint32_t q_lo = (uint32_t)qd, k_lo = (uint32_t)kd;
+    const uint64_t q_hi = qd & ~0xffffffffull, k_hi = kd & ~0xffffffffull;
 #pragma unroll
     for (int kk = 0; kk < HEAD / 16; ++kk) {
       const uint32_t col = (kk % 4) * 32;
-      const uint64_t a = qd + (((kk / 4) * CF::BM * 128 + col) >> 4);
-      const uint64_t b = kd + (((kk / 4) * BN * 128 + col) >> 4);
+      const uint64_t a = q_hi | (q_lo + (((kk / 4) * CF::BM * 128 + col) >> 4));
+      const uint64_t b = k_hi | (k_lo + (((kk / 4) * BN * 128 + col) >> 4));
       WgMma<T, BN>::ss(d, a, b, kk > 0);
     }
     wg_commit();
@@ -240,21 +246,16 @@ struct WsProgram : AttnProgram<T, T, CF> {
   }
 
   // Scores of a tile that every row of the program sees whole, with no
-  // per-key terms (`score`'s fast path): each row's maximum as a tree over
-  // its 32 values (NaN-propagating), then over the quad, in log2 units.
-  // With positive score scales c (every row of the warp) the scores stay
-  // raw and the maximum is scaled once (x -> c x is monotonic), so that
-  // `softmax_step` scales them inside its fma; `c1` is then c, else the
-  // scores are scaled here and c1 is 1.
-  __device__ __forceinline__ static void score_full(Scores& s, RowMax& tmax, const RowMax& c, float (&c1)[2]) {
-    const bool raw = __all_sync(0xffffffffu, c[0][0] > 0.f && c[0][1] > 0.f);
+  // per-key terms, under a positive launch scale (`score`'s fast path; see
+  // `whole`): each row's maximum as a tree over its 32 raw values
+  // (NaN-propagating), then over the quad, scaled once to log2 units by the
+  // row's score scale c (positive, or NaN for a query row holding NaN or
+  // +-inf, which makes the row NaN; x -> c x is monotonic). The scores stay
+  // raw: `softmax_step` scales them inside its fma, by c1 = c.
+  __device__ __forceinline__ static void score_full(const Scores& s, RowMax& tmax, const RowMax& c, float (&c1)[2]) {
     float m[2][16];
 #pragma unroll
     for (int nt = 0; nt < KW / 8; ++nt) {
-      if (!raw) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][nt][e] *= c[0][e >> 1];
-      }
 #pragma unroll
       for (int i = 0; i < 2; ++i) m[i][nt] = max_nan(s[0][nt][2 * i], s[0][nt][2 * i + 1]);
     }
@@ -262,7 +263,7 @@ struct WsProgram : AttnProgram<T, T, CF> {
     tmax[0][1] = quad_max(tree16(m[1], [](float a, float b) { return max_nan(a, b); }));
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      c1[i] = raw ? c[0][i] : 1.f;
+      c1[i] = c[0][i];
       tmax[0][i] *= c1[i];
     }
   }
@@ -302,6 +303,24 @@ struct WsProgram : AttnProgram<T, T, CF> {
     }
   }
 
+  // Ends the code's basic block once the row sums `l_run` are known, which
+  // every probability of the tile feeds. ptxas places the wait for a
+  // warpgroup MMA (an instruction that reads no register) as early as its
+  // basic block allows: with the scores, the softmax step and the wait for
+  // P_{j-1} V_{j-1} in one block, it put that wait above the tile's
+  // exponentials, so the softmax ran after the product instead of beside
+  // it. The branch is taken only by a warp with a NaN row sum, and sleeps
+  // for no time. Head size 64 only: on an H100, with it at every head size,
+  // this file's changes made the head-64 instances 0.2-4.8% faster and the
+  // head-128 ones 1.3-6.2% slower on the prefills the plan gives them
+  // (docs/perf.md, kernels, "The softmax-overlap patch measured" and
+  // "Version 15").
+  __device__ __forceinline__ static void end_block_after(const RowMax& l_run) {
+    if constexpr (HEAD <= 64) {
+      if (__any_sync(0xffffffffu, l_run[0][0] != l_run[0][0] || l_run[0][1] != l_run[0][1])) __nanosleep(0);
+    }
+  }
+
   __device__ __forceinline__ static void rescale(Acc& acc, const float (&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -315,9 +334,10 @@ struct WsProgram : AttnProgram<T, T, CF> {
   }
 
   // Whether every row of the program sees every key of the tile from
-  // `key0`, with no per-key terms (`score`'s condition for its fast path).
+  // `key0`, with no per-key terms (`score`'s condition for its fast path),
+  // under a positive scale (`score_full`'s maxima of raw scores).
   __device__ __forceinline__ bool whole(int key0) const {
-    return this->plain && key0 + KW - 1 <= this->q_first && key0 + KW <= this->k_hi &&
+    return this->plain && this->mods.params.scale > 0.f && key0 + KW - 1 <= this->q_first && key0 + KW <= this->k_hi &&
            (this->window == 0 || this->q_last - key0 < this->window);
   }
 
@@ -361,6 +381,7 @@ struct WsProgram : AttnProgram<T, T, CF> {
       release(bars.empty_k(stage));
       scores(tile0 + j * BN, s, tmax, rsc, rsc_log2, c1);
       softmax_step(s, tmax, c1, m_run, l_run, alpha);
+      end_block_after(l_run);
       wg_wait<0>();
       wg_fence_operands(o);
       release(bars.empty_v(prev));
