@@ -9,7 +9,9 @@
 //   owns tile rows 32 pw .. + 31, lane l computes key 32 pw + l's cache
 //   offset (its block-table entry read a tile ahead) and gets the offsets
 //   of the four rows it copies (l / 4 + 8 m) by shuffles; it copies CPT
-//   16-byte chunks of each with cp.async into the 128-byte-swizzled stage
+//   16-byte chunks of each (chunks l % 4 + 4 k: the four lanes of a row
+//   copy 64 contiguous bytes per instruction, whole 32-byte sectors) with
+//   cp.async into the 128-byte-swizzled stage
 //   (dead keys and columns past head_size zero-filled), then arrives on the
 //   stage's full barrier once its copies have landed
 //   (`cp.async.mbarrier.arrive.noinc`; 128 arrivals complete a phase).
@@ -95,11 +97,15 @@ struct WsProgram : AttnProgram<T, T, CF> {
 
   // The producer's share of a tile: producer warp pw owns tile rows
   // 32 pw .. 32 pw + 31 (one key each, lane l computing key 32 pw + l's
-  // offset); lane l copies chunks CPT (l % 4) .. + CPT of rows l / 4 + 8 m,
-  // m < 4, so each row's chunks are 16-byte copies from one row pointer, and
-  // every row l / 4 + 8 m has the same swizzle phase (l / 4).
+  // offset); lane l copies chunks l % 4 + 4 k, k < CPT, of rows l / 4 + 8 m,
+  // m < 4, so each row's chunks are 16-byte copies from one row pointer,
+  // one instruction's four lanes of a row cover 64 contiguous bytes (whole
+  // 32-byte sectors; with chunks CPT (l % 4) + k, each instruction asked
+  // for every sector twice, half used: docs/perf.md, kernels, "Version
+  // 16"), and every row l / 4 + 8 m has the same swizzle phase (l / 4).
   static constexpr int CPR = HEAD / 8;   // 16-byte chunks per row
   static constexpr int CPT = CPR / 4;    // chunks per lane per row
+  static constexpr int CHUNK_STEP = 4;   // between one lane's chunks of a row
   static constexpr int ROWS_PER_LANE = 4;
   static_assert(PT == 128 && BN == 128 && CPR % 4 == 0, "four producer warps of 32 rows, four lanes per row");
 
@@ -120,7 +126,8 @@ struct WsProgram : AttnProgram<T, T, CF> {
       const uint32_t row = stage_row0 + 8 * m * 128;
 #pragma unroll
       for (int k = 0; k < CPT; ++k)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(row + pos[k]), "l"(src + k * 16),
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(row + pos[k]),
+                     "l"(src + k * CHUNK_STEP * 16),
                      "r"(live && col_ok[k] ? 16 : 0));
     }
   }
@@ -141,14 +148,14 @@ struct WsProgram : AttnProgram<T, T, CF> {
     const T* vc = this->vc;
     uint32_t blk = this->key_block(key0);
     int64_t off_k[ROWS_PER_LANE] = {-1, -1, -1, -1}, off_v[ROWS_PER_LANE];
-    // This lane's chunks: CPT from c0 of its rows (see `copy_rows`).
-    const int c0 = (lane & 3) * CPT;
+    // This lane's chunks: c0 + CHUNK_STEP k of its rows (see `copy_rows`).
+    const int c0 = lane & 3;
     const uint32_t row0 = (uint32_t)(pw * 32 + (lane >> 2)) * 128;
     uint32_t pos[CPT];
     bool col_ok[CPT];
 #pragma unroll
     for (int k = 0; k < CPT; ++k) {
-      const int c = c0 + k;
+      const int c = c0 + CHUNK_STEP * k;
       pos[k] = (uint32_t)(c >> 3) * BN * 128 + (uint32_t)(((c & 7) ^ (lane >> 2)) << 4);
       col_ok[k] = c * 8 < this->hs;
     }

@@ -163,29 +163,22 @@ pub fn launch_plans_made() -> usize {
 pub(super) type ResidentFn<'a> = dyn Fn(Kind, &TileShape, usize) -> Result<usize> + 'a;
 
 /// Mean keys per query row of a prefill part from which the default
-/// policy takes the warp-specialised prefill instance of padded head size
-/// `head`. Its programs (one per SM) pay more per program than the
-/// warpgroup ones (two per SM, whose start and end overlap the other's key
-/// loop) and less per key tile. On an H100 (docs/perf.md, kernels "Version
-/// 12"), at head size 128 they were 1-5% faster from 6,144 keys per row
-/// (prompts of 12k and 16k tokens, 512-token chunks after 8k and 16k of
-/// context: up to 9% there) and 3-7% slower at 4,096-4,352 (an 8k prompt,
-/// chunks after 4k); at head size 64, 2-9% faster at 4,096-4,352 (8k
-/// prompts, chunks after 4k), up to 23% at 16k, and 18-57% slower at
-/// 1,024-2,048 (2k and 4k prompts).
-pub(super) fn ws_min_mean_keys(head: usize) -> usize {
-    if head <= 64 {
-        4096
-    } else {
-        6144
-    }
-}
+/// policy takes the warp-specialised prefill instance (head sizes 64 and
+/// 128). Its programs (one per SM) pay more per program than the warpgroup
+/// ones (two per SM, whose start and end overlap the other's key loop) and
+/// less per key tile. Measured on an H100 against the warpgroup instance
+/// (docs/perf.md, kernels "Version 16"), as the warpgroup instance's time
+/// over its own: at head size 128, 1.11-1.16x at 4,096-4,352 keys per row
+/// (an 8k prompt, 512-token chunks after 4k), 0.95x at 2,048 (a 4k
+/// prompt), 0.68-0.77x at 1,024 (2k prompts); at head size 64 (version
+/// 15's kernels), 1.01-1.11x at 4,096-4,352, 1.19-1.34x at 8,192-16,640,
+/// 0.64-0.88x at 1,024-2,048.
+pub(super) const WS_MIN_MEAN_KEYS: usize = 4096;
 
 /// Whether the prefill part of `params`' batch (sequences with more than
-/// `fits` new tokens) has rows that see at least [`ws_min_mean_keys`] keys
-/// on average at padded head size `head` (the sliding window, if any,
-/// bounding each).
-fn ws_prefill(params: &PagedAttentionParams, fits: usize, head: usize) -> bool {
+/// `fits` new tokens) has rows that see at least [`WS_MIN_MEAN_KEYS`] keys
+/// on average (the sliding window, if any, bounding each).
+fn ws_prefill(params: &PagedAttentionParams, fits: usize) -> bool {
     let host = params.batch.host();
     let (mut rows, mut keys) = (0usize, 0usize);
     for (i, &seq_len) in host.seq_lens().iter().enumerate() {
@@ -200,7 +193,7 @@ fn ws_prefill(params: &PagedAttentionParams, fits: usize, head: usize) -> bool {
         rows += q;
         keys += q * mean;
     }
-    rows > 0 && keys >= ws_min_mean_keys(head) * rows
+    rows > 0 && keys >= WS_MIN_MEAN_KEYS * rows
 }
 
 /// The launch plan of one call on a device with `limits` whose instances
@@ -309,7 +302,7 @@ pub(super) fn plan(
         && match policy.warp_specialized {
             WsMode::Off => false,
             WsMode::On => true,
-            WsMode::Auto => !by_shape && ws_prefill(params, fits, head),
+            WsMode::Auto => !by_shape && ws_prefill(params, fits),
         };
     let prefill = match wgmma_ws_tile(head) {
         _ if small => narrow,
@@ -802,8 +795,8 @@ mod tests {
     }
 
     /// The default policy takes the warp-specialised instance for prefill
-    /// parts whose rows see at least `ws_min_mean_keys` keys on average
-    /// (4,096 at head size 64, 6,144 at 128), outside CUDA-graph steps;
+    /// parts whose rows see at least `WS_MIN_MEAN_KEYS` (4,096) keys on
+    /// average, outside CUDA-graph steps;
     /// `CANDLE_PAGED_ATTENTION_WS=1` everywhere one serves, `0` nowhere.
     #[test]
     fn long_prefills_take_the_warp_specialised_tile() {
@@ -833,7 +826,7 @@ mod tests {
         // prompt 5,120, a 16k and a 4k one 6,963. (head 64, head 128).
         for (seqs, want) in [
             (&[(16384, 16384)][..], ("_ws", "_ws")),
-            (&[(8192, 8192)][..], ("_ws", "_wg")),
+            (&[(8192, 8192)][..], ("_ws", "_ws")),
             (&[(4096, 4096)][..], ("_wg", "_wg")),
             (
                 &[
@@ -845,8 +838,8 @@ mod tests {
                 ][..],
                 ("_ws", "_ws"),
             ),
-            (&[(512, 4608); 4][..], ("_ws", "_wg")),
-            (&[(12288, 12288), (4096, 4096)][..], ("_ws", "_wg")),
+            (&[(512, 4608); 4][..], ("_ws", "_ws")),
+            (&[(12288, 12288), (4096, 4096)][..], ("_ws", "_ws")),
             (&[(16384, 16384), (4096, 4096)][..], ("_ws", "_ws")),
         ] {
             for (head, want) in [(64, want.0), (128, want.1)] {
@@ -871,7 +864,7 @@ mod tests {
         // A window bounds the keys a row sees; fp8 caches and head 256 have
         // no instance; a CUDA-graph step plans by shape (not by lengths).
         assert_eq!(
-            suffix(128, false, long, Some(4096), WsMode::Auto, auto),
+            suffix(128, false, long, Some(2048), WsMode::Auto, auto),
             "_wg"
         );
         assert_eq!(suffix(128, true, long, None, WsMode::On, auto), "_wg");
