@@ -820,14 +820,16 @@ mod tests {
             part.tile.suffix
         };
         let auto = KvSplit::Auto;
-        // Mean keys per row: a 16k prompt 8,192; 8k 4,096; 4k 2,048; four
-        // 512-token chunks (so that the programs fill a wave of 128 rows)
-        // after 16k of context 16,640, after 4k 4,352; a 12k and a 4k
-        // prompt 5,120, a 16k and a 4k one 6,963. (head 64, head 128).
+        // Mean keys per row: a 16k prompt 8,192; 8k 4,096; 8,190 tokens
+        // 4,095 (one below the threshold); 4k 2,048; four 512-token chunks
+        // (so that the programs fill a wave of 128 rows) after 16k of
+        // context 16,640, after 4k 4,352; a 12k and a 4k prompt 5,120, a 16k
+        // and a 4k one 6,963. One threshold serves head sizes 64 and 128.
         for (seqs, want) in [
-            (&[(16384, 16384)][..], ("_ws", "_ws")),
-            (&[(8192, 8192)][..], ("_ws", "_ws")),
-            (&[(4096, 4096)][..], ("_wg", "_wg")),
+            (&[(16384, 16384)][..], "_ws"),
+            (&[(8192, 8192)][..], "_ws"),
+            (&[(8190, 8190)][..], "_wg"),
+            (&[(4096, 4096)][..], "_wg"),
             (
                 &[
                     (512, 16896),
@@ -836,13 +838,13 @@ mod tests {
                     (512, 16896),
                     (1, 900),
                 ][..],
-                ("_ws", "_ws"),
+                "_ws",
             ),
-            (&[(512, 4608); 4][..], ("_ws", "_ws")),
-            (&[(12288, 12288), (4096, 4096)][..], ("_ws", "_ws")),
-            (&[(16384, 16384), (4096, 4096)][..], ("_ws", "_ws")),
+            (&[(512, 4608); 4][..], "_ws"),
+            (&[(12288, 12288), (4096, 4096)][..], "_ws"),
+            (&[(16384, 16384), (4096, 4096)][..], "_ws"),
         ] {
-            for (head, want) in [(64, want.0), (128, want.1)] {
+            for head in [64, 128] {
                 assert_eq!(
                     suffix(head, false, seqs, None, WsMode::Auto, auto),
                     want,
