@@ -118,7 +118,13 @@
 // so the MMAs, which read shared memory through that proxy, see the tile.
 // QK^T is HEAD / 16 `ss` MMAs (Q and K from shared memory) into the
 // scores' registers, committed and waited for; the scores, mask and online
-// softmax are the mma.sync path's, per warp; P V is BN / 16 `rs_t` MMAs
+// softmax are the mma.sync path's, per warp, except on tiles that every row
+// sees whole with no per-key terms under a positive scale (`whole_wg`):
+// there each row's maximum is taken over the raw scores and scaled once,
+// and each probability is one fma (the scale folded in) and one
+// ex2.approx.ftz (`score_whole_wg`, `softmax_update`), which also keeps
+// the 128-row head-128 instances' MMAs unserialised within two programs'
+// registers per SM (docs/perf.md, kernels, "Version 17"); P V is BN / 16 `rs_t` MMAs
 // (P from the score registers, V transposed from shared memory) into the
 // accumulator, committed and waited for before the next tile's barrier
 // lets the loads overwrite the stage. Every warp of a warpgroup runs every
@@ -978,6 +984,42 @@ struct AttnProgram {
     }
   }
 
+  // WG: whether every row of the program sees every key of the warp's keys
+  // from `warp_key0`, with no per-key terms (`score`'s full-tile
+  // condition), under a positive scale (`score_whole_wg`'s maxima of raw
+  // scores).
+  __device__ __forceinline__ bool whole_wg(int warp_key0) const {
+    return this->plain && this->mods.params.scale > 0.f && warp_key0 + KW - 1 <= this->q_first &&
+           warp_key0 + KW <= this->k_hi && (this->window == 0 || this->q_last - warp_key0 < this->window);
+  }
+
+  // WG: the scores of a tile `whole_wg` holds for (`score`'s fast path with
+  // the scale moved out of the loop): each row's maximum over its raw
+  // values in two chains (NaN-propagating), then over the quad, scaled
+  // once to log2 units by the row's score scale c (positive, or NaN for a
+  // query row holding NaN or +-inf, which makes the row NaN; x -> c x is
+  // monotonic). The scores stay raw: `softmax_update` scales them inside
+  // its fma, by c1 = c.
+  __device__ __forceinline__ static void score_whole_wg(const Scores& s, RowMax& tmax, const RowMax& c,
+                                                        float (&c1)[2]) {
+    float m[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      m[i][0] = max_nan(s[0][0][2 * i], s[0][0][2 * i + 1]);
+      m[i][1] = max_nan(s[0][1][2 * i], s[0][1][2 * i + 1]);
+    }
+#pragma unroll
+    for (int nt = 2; nt < KW / 8; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) m[i][nt & 1] = max_nan(m[i][nt & 1], max_nan(s[0][nt][2 * i], s[0][nt][2 * i + 1]));
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      c1[i] = c[0][i];
+      tmax[0][i] = quad_max(max_nan(m[i][0], m[i][1])) * c1[i];
+    }
+  }
+
   // Whether some row of the warp sees a key of the tile (else the warp skips
   // the softmax update and the P.V product).
   __device__ __forceinline__ bool tile_seen(const RowMax& tmax) const {
@@ -991,7 +1033,7 @@ struct AttnProgram {
   // its sum (and its accumulator, when the maximum moved for some row of the
   // warp) and turns the logits in s into probabilities added to the sum.
   __device__ __forceinline__ void softmax_update(Scores& s, const RowMax& tmax, Acc& acc, RowMax& m_run,
-                                                 RowMax& l_run) const {
+                                                 RowMax& l_run, const float (&c1)[2]) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float alpha[2], m_use[2];
@@ -1010,13 +1052,31 @@ struct AttnProgram {
           acc[mt][i][3] *= alpha[1];
         }
       }
+      if constexpr (CF::WG) {
+        // Scores times c1 (`score_whole_wg`; 1 after `score`) in one fma
+        // and one ex2.approx.ftz each (every argument is at most an ulp
+        // above 0, or NaN, which stays NaN), summed in two chains per row.
+        float sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
-      for (int nt = 0; nt < KW / 8; ++nt) {
+        for (int nt = 0; nt < KW / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pe = exp2f(s[mt][nt][e] - m_use[e >> 1]);
-          s[mt][nt][e] = pe;
-          l_run[mt][e >> 1] += pe;
+          for (int e = 0; e < 4; ++e) {
+            const float pe = ex2_ftz(fmaf(s[mt][nt][e], c1[e >> 1], -m_use[e >> 1]));
+            s[mt][nt][e] = pe;
+            sum[e >> 1][nt & 1] += pe;
+          }
+        }
+        l_run[mt][0] += sum[0][0] + sum[0][1];
+        l_run[mt][1] += sum[1][0] + sum[1][1];
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < KW / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pe = exp2f(s[mt][nt][e] - m_use[e >> 1]);
+            s[mt][nt][e] = pe;
+            l_run[mt][e >> 1] += pe;
+          }
         }
       }
     }
@@ -1124,9 +1184,18 @@ struct AttnProgram {
       Scores s;
       qk(tK, s);
       RowMax tmax;
-      score(warp_key0, s, tmax, rsc, rsc_log2);
+      float c1[2] = {1.f, 1.f};
+      if constexpr (CF::WG) {
+        if (whole_wg(warp_key0)) {
+          score_whole_wg(s, tmax, rsc_log2, c1);
+        } else {
+          score(warp_key0, s, tmax, rsc, rsc_log2);
+        }
+      } else {
+        score(warp_key0, s, tmax, rsc, rsc_log2);
+      }
       if (!CF::WG && !tile_seen(tmax)) continue;
-      softmax_update(s, tmax, acc, m_run, l_run);
+      softmax_update(s, tmax, acc, m_run, l_run, c1);
       pv(s, tV, acc);
     }
     cp_async_wait<0>();
