@@ -30,7 +30,9 @@
 //   Empty barriers take one arrival per consumer warp (8). Tiles that every
 //   row sees whole, with no per-key terms, under a positive scale, take
 //   `score_full` (tree maxima on the raw scores, the scale folded into the
-//   exponent's fma); the others `AttnProgram::score`. At head size 64 the
+//   exponent's fma); the others `AttnProgram::score` (the mask and the
+//   scale only on the edge tiles of a launch with no per-key terms, version
+//   18 in docs/perf.md's kernels section). At head size 64 the
 //   softmax step ends a basic block of its own (`end_block_after`), so that
 //   in the SASS the wait for the P V product follows the exponentials.
 // After the last tile the consumers merge and write their rows as the WG

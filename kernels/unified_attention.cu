@@ -124,7 +124,9 @@
 // and each probability is one fma (the scale folded in) and one
 // ex2.approx.ftz (`score_whole_wg`, `softmax_update`), which also keeps
 // the 128-row head-128 instances' MMAs unserialised within two programs'
-// registers per SM (docs/perf.md, kernels, "Version 17"); P V is BN / 16 `rs_t` MMAs
+// registers per SM (docs/perf.md, kernels, "Version 17"); over 16-bit
+// caches, tiles at the edge of the rows' keys with no per-key terms take
+// only the mask and the scale (`score`, version 18); P V is BN / 16 `rs_t` MMAs
 // (P from the score registers, V transposed from shared memory) into the
 // accumulator, committed and waited for before the next tile's barrier
 // lets the loads overwrite the stage. Every warp of a warpgroup runs every
@@ -952,6 +954,26 @@ struct AttnProgram {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float x = s[mt][nt][e] * rsc_log2[mt][e >> 1];
+            s[mt][nt][e] = x;
+            tmax[mt][e >> 1] = max_nan(tmax[mt][e >> 1], x);
+          }
+        }
+      } else if (CF::WG && !FP8 && plain) {
+        // WG over a 16-bit cache (the warp-specialised instances too), a
+        // tile at the edge of the rows' keys with no per-key terms: only
+        // the causal / window mask and the sequence's end, the scale in
+        // log2 units and NaN-propagating maxima, as on the full path
+        // (`ScoreMods::logit` with every term off, in fewer instructions).
+        const RowInfo rows2[2] = {row_info(wrow0 + mt * 16 + g), row_info(wrow0 + mt * 16 + g + 8)};
+#pragma unroll
+        for (int nt = 0; nt < KW / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const RowInfo& ri = rows2[e >> 1];
+            const int key = warp_key0 + nt * 8 + 2 * c4 + (e & 1);
+            const bool visible =
+                ri.valid && key < k_hi && key <= ri.q_abs && (window == 0 || ri.q_abs - key < window);
+            const float x = visible ? s[mt][nt][e] * rsc_log2[mt][e >> 1] : neg_inf();
             s[mt][nt][e] = x;
             tmax[mt][e >> 1] = max_nan(tmax[mt][e >> 1], x);
           }
